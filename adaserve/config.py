@@ -1,0 +1,155 @@
+"""Settings shared by the CLI and every service.
+
+One pydantic-settings tree: defaults here, overridden by a YAML file (`--config` or
+`ADASERVE_CONFIG`), then by environment variables (`ADASERVE_SCHEDULER__BUDGET=16`),
+then by command-line flags. Kubernetes mounts the same YAML the CLI reads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SLOClass(BaseModel):
+    """A named TPOT SLO: an absolute target, or a multiple of the deployment's baseline
+    per-token latency (the AdaServe coding class is 1.2x baseline)."""
+
+    tpot_ms: PositiveFloat | None = None
+    baseline_scale: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> SLOClass:
+        if (self.tpot_ms is None) == (self.baseline_scale is None):
+            raise ValueError("an SLO class sets exactly one of tpot_ms or baseline_scale")
+        return self
+
+    def resolve_ms(self, baseline_tpot_ms: float) -> float:
+        return self.tpot_ms if self.tpot_ms is not None else self.baseline_scale * baseline_tpot_ms
+
+
+def _default_classes() -> dict[str, SLOClass]:
+    # AdaServe EuroSys '26, Table 2.
+    return {
+        "coding": SLOClass(baseline_scale=1.2),
+        "chat": SLOClass(tpot_ms=50.0),
+        "summarize": SLOClass(tpot_ms=150.0),
+    }
+
+
+class SLOSettings(BaseModel):
+    classes: dict[str, SLOClass] = Field(default_factory=_default_classes)
+    default_class: str = "chat"
+    # Per-token latency of plain decoding at near-zero load; `adaserve profile` measures it.
+    baseline_tpot_ms: PositiveFloat = 40.0
+
+    def resolve(self, name: str) -> float:
+        return self.classes[name].resolve_ms(self.baseline_tpot_ms)
+
+
+class AdaptiveSettings(BaseModel):
+    """Depth/width policy. `eurosys` is paper 001 eq. 8-9; `v1` is paper 000 eq. 8-9."""
+
+    policy: Literal["eurosys", "v1", "fixed"] = "eurosys"
+    d_min: PositiveInt = 1
+    d_max: PositiveInt = 8
+    w_max: PositiveInt = 4
+    b1: PositiveInt | None = None  # verifier tokens per step; None -> scheduler.budget
+    b2: PositiveInt | None = None  # drafter tokens per step; None -> scheduler.budget
+    c1: int = 0
+    c2: int = 0
+    fixed_depth: PositiveInt = 4
+    fixed_width: PositiveInt = 1
+
+
+class SchedulerSettings(BaseModel):
+    budget: PositiveInt = 16  # verifier tokens per iteration (knee of the latency curve)
+    policy: Literal["adaserve", "equal", "global", "optimal"] = "adaserve"
+    order: Literal["descending_a", "ascending_a"] = "descending_a"
+    n_max: PositiveInt | None = None  # None -> ceil(1.2 * budget / n)
+    correction_factor: PositiveFloat = 1.05  # inflates predicted t_spec (FlexFlow Serve)
+    adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
+
+
+class EngineSettings(BaseModel):
+    max_running: PositiveInt = 64
+    max_queue: PositiveInt = 256
+    kv_block_size: PositiveInt = 16
+    kv_blocks: PositiveInt | None = None  # None -> sized from kv_memory_gb
+    kv_memory_gb: PositiveFloat = 2.0
+    max_model_len: PositiveInt | None = None  # None -> the model's context length
+    prefill_chunk: PositiveInt = 512
+    speculation_timeout_ms: PositiveFloat = 500.0
+    scheduler_timeout_ms: PositiveFloat = 200.0
+    speculation: bool = True
+
+
+class ServiceAddresses(BaseModel):
+    scheduler: str | None = None  # host:port; None -> in-process selection
+    drafter: str | None = None  # host:port; None -> in-process drafter
+    verifiers: list[str] = Field(default_factory=list)  # gateway -> verifier units
+    verifier_dns: str | None = None  # headless Service name; resolved to unit addresses
+
+
+class ModelSettings(BaseModel):
+    target: str = "embedded"
+    drafter: str | None = "embedded"  # None -> no speculation
+    tp: PositiveInt = 1
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # auto -> cuda if available else cpu
+    served_name: str | None = None  # the `model` clients send; None -> derived from target
+
+
+class GatewaySettings(BaseModel):
+    max_tokens_limit: PositiveInt = 4096
+    max_prompt_chars: PositiveInt = 200_000
+    max_stop_strings: PositiveInt = 8
+    max_n: PositiveInt = 1
+    api_keys_file: str | None = None
+    api_keys_env: str = "ADASERVE_API_KEYS"
+    metrics_require_auth: bool = False
+    health_interval_s: PositiveFloat = 2.0
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ADASERVE_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    slo: SLOSettings = Field(default_factory=SLOSettings)
+    services: ServiceAddresses = Field(default_factory=ServiceAddresses)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    log_prompts: bool = False
+
+
+def load_settings(path: str | os.PathLike | None = None, **overrides) -> Settings:
+    """YAML file (or $ADASERVE_CONFIG) < environment < explicit overrides."""
+    path = path or os.environ.get("ADASERVE_CONFIG")
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file not found: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+    # Environment wins over the file: BaseSettings reads env for fields not passed in,
+    # so merge env-derived values over the file's explicitly.
+    env = Settings().model_dump(exclude_unset=True)
+    merged = _deep_merge(_deep_merge(data, env), overrides)
+    return Settings(**merged)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
