@@ -25,11 +25,14 @@ install: $(BIN)/python
 proto:
 	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_FILES)
 
-# Regenerate into a scratch dir and diff: CI fails when committed stubs are stale.
+# Regenerate into a scratch dir and diff: CI fails when committed stubs are stale, when
+# a .proto has no committed stubs, and when protoc itself fails.
 proto-check:
-	@tmp=$$(mktemp -d); \
-	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTO_FILES) && \
-	diff -r -x __pycache__ -x __init__.py $$tmp/adaserve/rpc/v1 adaserve/rpc/v1 | grep -v '^Only in adaserve' | grep . && { echo "generated stubs are stale: run 'make proto'"; exit 1; } || echo "proto stubs up to date"
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTO_FILES); \
+	if diff -r -x __pycache__ -x __init__.py $$tmp/adaserve/rpc/v1 adaserve/rpc/v1 | grep -v '^Only in adaserve/rpc/v1' | grep .; then \
+		echo "generated stubs are stale: run 'make proto'"; exit 1; \
+	fi; echo "proto stubs up to date"
 
 lint:
 	$(BIN)/ruff check .
