@@ -1,0 +1,645 @@
+"""The serving engine: request pool, admission, and the speculative iteration loop.
+
+One thread owns all request state; other threads talk to it through `submit`/`abort`
+(queues) and read results from `RequestStream`s. Each iteration reads like the paper:
+
+    plan (d, w) -> speculate -> select -> verify -> apply (stream, retire)
+
+The drafter and the scheduler are interfaces with in-process and gRPC implementations;
+the target is an interface so the simulator can substitute a modelled one. Failure of
+the drafter degrades to plain decoding (root-only trees), failure of the scheduler to
+in-process selection: neither ever fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaserve import metrics
+from adaserve.config import Settings
+from adaserve.detokenize import IncrementalDetokenizer
+from adaserve.request import GenerationRequest, TokenDelta
+from adaserve.scheduler import LocalScheduler, Scheduler
+from adaserve.selection import RequestProgress, SelectionParams
+from adaserve.speculate import Drafter, DrafterStateLost, DraftUpdate
+from adaserve.target import TargetModel, VerifyItem
+from adaserve.tree import CandidateTree
+
+log = logging.getLogger("adaserve.engine")
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is full: callers answer 429 / RESOURCE_EXHAUSTED."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    baseline_tpot_ms: float
+    speculative: bool
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    tracked: int  # requests holding any engine state (running + waiting + finishing)
+    kv_usage: float
+    iterations: int
+    drafter_healthy: bool
+    scheduler_healthy: bool
+
+
+class RequestStream:
+    """Deltas of one request, produced by the engine thread, consumed by one reader
+    (blocking `get` or `async for ... in stream.aiter()`)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._q: queue.SimpleQueue[TokenDelta] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    def put(self, delta: TokenDelta) -> None:
+        self._q.put(delta)
+        if self._loop is not None and self._wakeup is not None:
+            self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    def get(self, timeout: float | None = None) -> TokenDelta | None:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    async def aiter(self) -> AsyncIterator[TokenDelta]:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        while True:
+            self._wakeup.clear()
+            while True:  # drain before waiting: deltas may predate the event
+                try:
+                    delta = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+            await self._wakeup.wait()
+
+
+@dataclass
+class _Request:
+    """Engine-side mutable state of one request; touched only by the loop thread."""
+
+    req: GenerationRequest
+    stream: RequestStream
+    arrival: float
+    tokens: list[int]  # prompt + generated, all committed
+    detok: IncrementalDetokenizer | None
+    generator: object | None
+    best_effort: bool = False
+    first_token_t: float | None = None
+    last_token_t: float | None = None
+    drafter_len: int = 0  # tokens the drafter holds as committed
+    reserved_tokens: int = 0
+    finished: bool = False
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def deadline(self) -> float | None:
+        t = self.req.timeout_s
+        return None if t is None else self.arrival + t
+
+
+@dataclass
+class _TSpecPredictor:
+    """Predicts the next iteration's latency: an EWMA of measured iterations per token
+    count, seeded from the profile and inflated by the correction factor."""
+
+    initial_ms: float
+    correction: float
+    alpha: float = 0.3
+    _ewma: dict[int, float] = field(default_factory=dict)
+
+    def predict_ms(self, num_tokens: int) -> float:
+        bucket = _bucket(num_tokens)
+        return self._ewma.get(bucket, self.initial_ms) * self.correction
+
+    def observe(self, num_tokens: int, ms: float) -> None:
+        bucket = _bucket(num_tokens)
+        prev = self._ewma.get(bucket, ms)
+        self._ewma[bucket] = (1 - self.alpha) * prev + self.alpha * ms
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class Engine:
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter | None,
+        scheduler: Scheduler,
+        settings: Settings,
+        tokenizer: object | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        model_name: str = "adaserve",
+    ) -> None:
+        self.target = target
+        self.drafter = drafter if settings.engine.speculation else None
+        self.scheduler = scheduler
+        self.local_scheduler = LocalScheduler(settings.scheduler)
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.model_name = model_name
+        self.max_model_len = min(
+            target.max_model_len, settings.engine.max_model_len or target.max_model_len
+        )
+        self.tspec = _TSpecPredictor(
+            settings.slo.baseline_tpot_ms, settings.scheduler.correction_factor
+        )
+
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._waiting: list[_Request] = []
+        self._running: dict[str, _Request] = {}
+        self._reserved = 0
+        self._iterations = 0
+        self._arrivals = itertools.count()
+        self._drafter_healthy = True
+        self._scheduler_healthy = True
+        self._drafter_retry_at = 0.0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- public API (any thread) ---------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> RequestStream:
+        self._validate(req)
+        if self._inbox.qsize() + len(self._waiting) >= self.settings.engine.max_queue:
+            raise EngineFull("server is at capacity: too many queued requests")
+        stream = RequestStream(req.id)
+        self._inbox.put(("submit", (req, stream, self.clock())))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            tracked=len(self._running) + len(self._waiting),
+            kv_usage=self.target.kv_usage(),
+            iterations=self._iterations,
+            drafter_healthy=self._drafter_healthy,
+            scheduler_healthy=self._scheduler_healthy,
+        )
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.model_name,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(self.target.eos_token_ids),
+            baseline_tpot_ms=self.settings.slo.baseline_tpot_ms,
+            speculative=self.drafter is not None,
+        )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="adaserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+            try:
+                self.step()
+            except Exception:  # a bug must not wedge every client: fail the batch, go on
+                log.exception("engine iteration failed; failing the running requests")
+                for r in list(self._running.values()):
+                    self._finish(r, "error", error="internal error in the engine iteration")
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or not self._inbox.empty())
+
+    def step(self) -> None:
+        """One iteration: intake, admission + prefill, then one speculative decode step."""
+        self._drain_inbox()
+        self._expire_deadlines()
+        self._admit()
+        if not self._running:
+            return
+        t0 = self.clock()
+        batch = list(self._running.values())
+        depth, width = self._plan(len(batch))
+        trees = self._speculate(batch, depth, width)
+        t1 = self.clock()
+        selected = self._select(batch, trees, depth)
+        t2 = self.clock()
+        results = self.target.verify(
+            [
+                VerifyItem(
+                    r.req.id,
+                    tree,
+                    r.req.sampling,
+                    r.generator,
+                    r.req.sampling.max_tokens - r.num_generated,
+                )
+                for r, tree in zip(batch, selected, strict=True)
+            ]
+        )
+        t3 = self.clock()
+        for r, tree, res in zip(batch, selected, results, strict=True):
+            self._record_spec(tree, res.accepted_nodes)
+            self._apply(r, list(res.emitted_tokens), t3)
+        self._observe_iteration(batch, selected, t0, t1, t2, t3)
+
+    # ---- iteration phases ----------------------------------------------------------
+
+    def _plan(self, n: int) -> tuple[int, int]:
+        if self.drafter is None:
+            return 0, 1
+        try:
+            return (
+                self.scheduler.plan(n) if self._scheduler_healthy else self.local_scheduler.plan(n)
+            )
+        except Exception as exc:
+            self._scheduler_failed(exc)
+            return self.local_scheduler.plan(n)
+
+    def _speculate(self, batch: list[_Request], depth: int, width: int) -> list[CandidateTree]:
+        roots = [CandidateTree.root_only(r.tokens[-1]) for r in batch]
+        if self.drafter is None or depth == 0:
+            return roots
+        now = self.clock()
+        if not self._drafter_healthy and now < self._drafter_retry_at:
+            metrics.fallbacks_total.labels("drafter").inc()
+            return roots
+        updates = [
+            DraftUpdate(r.req.id, np.asarray(r.tokens[r.drafter_len :], np.int32), len(r.tokens))
+            for r in batch
+        ]
+        try:
+            try:
+                trees = self.drafter.speculate(updates, depth, width)
+            except DrafterStateLost as lost:
+                # Re-sync those requests from their full history; the rest are unchanged.
+                metrics.drafter_resyncs_total.inc(len(lost.ids))
+                ids = set(lost.ids)
+                updates = [
+                    DraftUpdate(u.id, np.asarray(r.tokens, np.int32), len(r.tokens))
+                    if u.id in ids
+                    else u
+                    for u, r in zip(updates, batch, strict=True)
+                ]
+                trees = self.drafter.speculate(updates, depth, width)
+        except Exception as exc:
+            self._drafter_failed(exc)
+            return roots
+        for r in batch:
+            r.drafter_len = len(r.tokens)
+        if not self._drafter_healthy:
+            log.info("drafter recovered; speculation resumes")
+            self._drafter_healthy = True
+        return trees
+
+    def _select(
+        self, batch: list[_Request], trees: list[CandidateTree], depth: int
+    ) -> list[CandidateTree]:
+        if all(len(t) == 1 for t in trees):
+            return trees
+        now = self.clock()
+        progress = [
+            RequestProgress(
+                id=r.req.id,
+                tpot_slo_ms=r.req.tpot_slo_ms,
+                elapsed_ms=(now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0,
+                decoded=max(r.num_generated - 1, 0),
+            )
+            for r in batch
+        ]
+        sched = self.settings.scheduler
+        budget = max(sched.budget, len(batch))  # every root must fit
+        params = SelectionParams(
+            budget=budget,
+            depth=depth,
+            t_spec_ms=self.tspec.predict_ms(budget),
+            policy=sched.policy if sched.policy != "optimal" else "adaserve",
+            n_max=sched.n_max,
+            order=sched.order,
+        )
+        selection = None
+        if self._scheduler_healthy:
+            try:
+                selection = self.scheduler.select(progress, trees, params)
+            except Exception as exc:
+                self._scheduler_failed(exc)
+        if selection is None:
+            selection = self.local_scheduler.select(progress, trees, params)
+        return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
+
+    def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
+        """Commit emitted tokens to the request: stop checks, detokenize, stream."""
+        if r.finished:
+            return
+        sp = r.req.sampling
+        stops = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stops.update(self.target.eos_token_ids)
+        finish: str | None = None
+        kept: list[int] = []
+        for tok in emitted:
+            kept.append(tok)
+            if tok in stops:
+                finish = "stop"
+                break
+            if r.num_generated + len(kept) >= sp.max_tokens:
+                finish = "length"
+                break
+        r.tokens.extend(kept)
+        if r.first_token_t is None and kept:
+            r.first_token_t = now
+        if kept:
+            r.last_token_t = now
+        text = ""
+        if r.detok is not None:
+            # eos/stop ids are special tokens: skip_special_tokens keeps them out of text.
+            text, hit_stop = r.detok.add(kept)
+            if hit_stop:
+                finish = "stop"
+            elif finish is not None:
+                text += r.detok.flush()
+        if len(r.tokens) + 1 >= self.max_model_len and finish is None:
+            finish = "length"
+            if r.detok is not None:
+                text += r.detok.flush()
+        ttft = (
+            (r.first_token_t - r.arrival) * 1000.0
+            if r.num_generated == len(kept) and kept
+            else None
+        )
+        r.stream.put(
+            TokenDelta(
+                token_ids=tuple(kept),
+                text=text,
+                finish_reason=finish,
+                num_prompt_tokens=r.num_prompt,
+                num_generated=r.num_generated,
+                ttft_ms=ttft,
+                best_effort=r.best_effort,
+            )
+        )
+        if finish is not None:
+            self._retire(r, finish)
+
+    # ---- admission -----------------------------------------------------------------
+
+    def _validate(self, req: GenerationRequest) -> None:
+        sp = req.sampling
+        if not req.prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if sp.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not (req.tpot_slo_ms > 0 and math.isfinite(req.tpot_slo_ms)):
+            raise ValueError("tpot_slo_ms must be a positive number")
+        if len(req.prompt_token_ids) + sp.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({sp.max_tokens}) "
+                f"exceeds the model's context length ({self.max_model_len})"
+            )
+        vocab = self.target.vocab_size
+        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if sp.temperature < 0 or not (0 < sp.top_p <= 1) or sp.top_k < 0:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                req, stream, arrival = payload
+                self._waiting.append(self._new_request(req, stream, arrival))
+            elif kind == "abort":
+                self._abort(payload)
+
+    def _new_request(
+        self, req: GenerationRequest, stream: RequestStream, arrival: float
+    ) -> _Request:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, stop=tuple(req.sampling.stop))
+        return _Request(
+            req=req,
+            stream=stream,
+            arrival=arrival,
+            tokens=list(req.prompt_token_ids),
+            detok=detok,
+            generator=self.target.make_generator(req.sampling.seed),
+        )
+
+    def _admit(self) -> None:
+        if not self._waiting:
+            return
+        # vLLM-style priority: lower value first, then arrival order.
+        self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
+        max_tree = self._max_tree_nodes()
+        admitted: list[_Request] = []
+        while (
+            self._waiting and len(self._running) + len(admitted) < self.settings.engine.max_running
+        ):
+            r = self._waiting[0]
+            # Reserve the request's whole KV up front (prompt + output + one tree of
+            # scratch): a running request can then never hit an exhausted cache.
+            need = r.num_prompt + r.req.sampling.max_tokens + max_tree
+            if not self.target.can_reserve(self._reserved + need):
+                if not self._running and not admitted:
+                    self._waiting.pop(0)
+                    self._finish(r, "error", error="request does not fit in the KV cache")
+                    continue
+                break
+            self._waiting.pop(0)
+            r.reserved_tokens = need
+            self._reserved += need
+            admitted.append(r)
+        if not admitted:
+            return
+        first = self.target.prefill(
+            [(r.req.id, r.tokens, r.req.sampling, r.generator) for r in admitted]
+        )
+        now = self.clock()
+        for r, tok in zip(admitted, first, strict=True):
+            self._running[r.req.id] = r
+            r.best_effort = self._judge_best_effort(r)
+            self._apply(r, [tok], now)
+        metrics.num_running.set(len(self._running))
+        metrics.num_waiting.set(len(self._waiting))
+
+    def _judge_best_effort(self, r: _Request) -> bool:
+        """An SLO tighter than plain decoding's per-token latency divided by the most
+        tokens one iteration can emit can never be met: the request is served
+        best-effort and flagged, not refused."""
+        depth_max = self.settings.scheduler.adaptive.d_max if self.drafter is not None else 0
+        floor_ms = self.tspec.predict_ms(1) / (depth_max + 1)
+        if r.req.tpot_slo_ms < floor_ms:
+            metrics.best_effort_total.labels(r.req.slo_class or "custom").inc()
+            return True
+        return False
+
+    def _max_tree_nodes(self) -> int:
+        if self.drafter is None:
+            return 1
+        a = self.settings.scheduler.adaptive
+        return 1 + a.d_max * a.w_max
+
+    # ---- retirement ----------------------------------------------------------------
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        for r in [*self._waiting, *self._running.values()]:
+            if r.deadline is not None and now > r.deadline:
+                self._finish(r, "timeout", error="request deadline exceeded")
+
+    def _abort(self, request_id: str) -> None:
+        for r in self._waiting:
+            if r.req.id == request_id:
+                self._finish(r, "abort")
+                return
+        r = self._running.get(request_id)
+        if r is not None:
+            self._finish(r, "abort")
+
+    def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+        if r.finished:
+            return
+        r.stream.put(
+            TokenDelta(
+                token_ids=(),
+                text="",
+                finish_reason=reason,
+                num_prompt_tokens=r.num_prompt,
+                num_generated=r.num_generated,
+                best_effort=r.best_effort,
+                error=error,
+            )
+        )
+        self._retire(r, reason)
+
+    def _retire(self, r: _Request, reason: str) -> None:
+        r.finished = True
+        if r in self._waiting:
+            self._waiting.remove(r)
+        if self._running.pop(r.req.id, None) is not None:
+            self.target.free(r.req.id)
+            self._reserved -= r.reserved_tokens
+            if self.drafter is not None and r.drafter_len:
+                try:
+                    self.drafter.release([r.req.id])
+                except Exception as exc:  # the drafter re-syncs lazily; never fail on release
+                    self._drafter_failed(exc)
+        self._record_finish(r, reason)
+        metrics.num_running.set(len(self._running))
+        metrics.num_waiting.set(len(self._waiting))
+
+    # ---- failure handling (logged once per episode, counted every iteration) -------
+
+    def _drafter_failed(self, exc: Exception) -> None:
+        metrics.fallbacks_total.labels("drafter").inc()
+        if self._drafter_healthy:
+            log.warning("drafter unavailable (%s); plain decoding until it returns", exc)
+        self._drafter_healthy = False
+        self._drafter_retry_at = self.clock() + 1.0  # don't pay a timeout every iteration
+
+    def _scheduler_failed(self, exc: Exception) -> None:
+        metrics.fallbacks_total.labels("scheduler").inc()
+        if self._scheduler_healthy:
+            log.warning("scheduler unavailable (%s); selecting in-process", exc)
+            self._scheduler_healthy = False
+            threading.Timer(1.0, self._probe_scheduler).start()
+
+    def _probe_scheduler(self) -> None:
+        try:
+            self.scheduler.plan(1)
+        except Exception:
+            if not self._stop.is_set():
+                threading.Timer(1.0, self._probe_scheduler).start()
+            return
+        log.info("scheduler recovered")
+        self._scheduler_healthy = True
+
+    # ---- observability -------------------------------------------------------------
+
+    def _record_spec(self, tree: CandidateTree, accepted_nodes) -> None:
+        drafted = len(tree) - 1
+        if drafted == 0:
+            return
+        accepted = len(accepted_nodes) - 1
+        metrics.spec_num_drafts.inc()
+        metrics.spec_num_draft_tokens.inc(drafted)
+        metrics.spec_num_accepted_tokens.inc(accepted)
+        for pos in range(accepted):
+            metrics.spec_accepted_per_pos.labels(str(pos)).inc()
+
+    def _observe_iteration(self, batch, selected, t0, t1, t2, t3) -> None:
+        tokens = sum(len(t) for t in selected)
+        self._iterations += 1
+        self.tspec.observe(tokens, (t3 - t0) * 1000.0)
+        metrics.iterations_total.inc()
+        metrics.iteration_seconds.labels("speculate").observe(t1 - t0)
+        metrics.iteration_seconds.labels("select").observe(t2 - t1)
+        metrics.iteration_seconds.labels("verify").observe(t3 - t2)
+        metrics.iteration_seconds.labels("total").observe(t3 - t0)
+        metrics.budget_used.observe(tokens)
+        metrics.batch_size.observe(len(batch))
+        metrics.kv_usage.set(self.target.kv_usage())
+
+    def _record_finish(self, r: _Request, reason: str) -> None:
+        cls = r.req.slo_class or "custom"
+        metrics.requests_total.labels(reason, cls).inc()
+        if r.first_token_t is None:
+            return
+        metrics.ttft_seconds.labels(cls).observe(r.first_token_t - r.arrival)
+        n = r.num_generated
+        if n >= 2 and r.last_token_t is not None and reason in ("stop", "length"):
+            tpot_ms = (r.last_token_t - r.first_token_t) * 1000.0 / (n - 1)
+            metrics.tpot_seconds.labels(cls).observe(tpot_ms / 1000.0)
+            if tpot_ms <= r.req.tpot_slo_ms:
+                metrics.slo_attained_total.labels(cls).inc()
+                metrics.goodput_tokens_total.labels(cls).inc(n)
+            else:
+                metrics.slo_missed_total.labels(cls).inc()
