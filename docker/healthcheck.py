@@ -20,7 +20,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PORTS = {"gateway": 8000, "up": 8000, "scheduler": 50051, "drafter": 50052, "verifier": 50053}
+DEFAULT_PORTS = {
+    "gateway": 8000,
+    "up": 8000,
+    "scheduler": 50051,
+    "drafter": 50052,
+    "verifier": 50053,
+}
 HTTP_SERVICES = {"gateway", "up"}
 # A server bound to every interface is reached on loopback from inside the container.
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
@@ -97,7 +103,9 @@ def _netloc(target: Target) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="adaserve-healthcheck", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="adaserve-healthcheck", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--cmdline", help="the service's command line (default: PID 1's)")
     parser.add_argument("--pid", type=int, default=1, help="process whose command to inspect")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
