@@ -131,7 +131,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size")
+    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids")
     class SloClassesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class InfoResponse(_message.Message):
     TP_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     baseline_tpot_ms: float
@@ -155,31 +156,27 @@ class InfoResponse(_message.Message):
     tp: int
     speculative: bool
     vocab_size: int
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class VerifierStatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "num_requests", "num_sequences", "counters")
-    class CountersEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: float
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    __slots__ = ("running", "waiting", "kv_usage", "num_requests", "iterations", "drafter_healthy", "scheduler_healthy")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     num_requests: int
-    num_sequences: int
-    counters: _containers.ScalarMap[str, float]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_sequences: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    iterations: int
+    drafter_healthy: bool
+    scheduler_healthy: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., iterations: _Optional[int] = ..., drafter_healthy: _Optional[bool] = ..., scheduler_healthy: _Optional[bool] = ...) -> None: ...

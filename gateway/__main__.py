@@ -1,0 +1,66 @@
+"""`adaserve gateway`: the OpenAI-compatible REST API (and its gRPC twin) in front of
+one or more verifier units."""
+
+from __future__ import annotations
+
+import argparse
+
+from adaserve.config import load_settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP and gRPC bind address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--grpc-port", type=int, default=50050, help="gRPC port of the same API; -1 disables it"
+    )
+    parser.add_argument(
+        "--verifier",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a verifier unit (repeat for several); also settings services.verifiers",
+    )
+    parser.add_argument(
+        "--verifier-dns",
+        metavar="NAME:PORT",
+        help="resolve NAME (a headless Service) to all its addresses every health interval",
+    )
+    parser.add_argument("--config", help="YAML settings file")
+    parser.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway import logs
+    from gateway.app import create_app
+    from services.common.server import new_event_loop
+
+    settings = load_settings(args.config)
+    verifiers = list(args.verifier) or list(settings.services.verifiers)
+    dns = args.verifier_dns or settings.services.verifier_dns
+    logs.configure(args.log_level)
+    app = create_app(
+        settings,
+        verifiers,
+        verifier_dns=dns,
+        grpc_port=None if args.grpc_port < 0 else args.grpc_port,
+        grpc_host=args.host,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep our JSON handlers
+        timeout_graceful_shutdown=5,
+        # A header this large is an attack or a bug; requests need a few hundred bytes.
+        h11_max_incomplete_event_size=64 * 1024,
+    )
+    server = uvicorn.Server(config)
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(server.serve())
+    finally:
+        loop.close()
+    return 0 if server.started else 1

@@ -1,0 +1,280 @@
+"""The OpenAI-compatible REST front (FastAPI).
+
+`create_app` builds a self-contained app: its lifespan starts the verifier router
+(health checks) and, when a gRPC port is given, the gRPC front on the same event loop.
+Every error the client sees is OpenAI-shaped (`gateway.errors`); bad input is 400,
+never 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from adaserve.config import Settings
+from gateway import spec as specs
+from gateway.auth import ApiKeys
+from gateway.core import Gateway, Generation
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.responses import DONE_FRAME, Formatter, sse
+from gateway.router import Router
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings,
+    verifiers: list[str],
+    *,
+    verifier_dns: str | None = None,
+    grpc_port: int | None = None,
+    grpc_host: str = "0.0.0.0",
+) -> FastAPI:
+    keys = ApiKeys.from_settings(settings.gateway)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router = Router(verifiers, dns=verifier_dns, interval_s=settings.gateway.health_interval_s)
+        await router.start()
+        app.state.gateway = Gateway(settings, router, GatewayMetrics())
+        grpc_server = None
+        if grpc_port is not None:
+            from gateway.grpc_front import GatewayGrpcServer
+
+            grpc_server = GatewayGrpcServer(app.state.gateway, keys, grpc_host, grpc_port)
+            app.state.grpc_port = await grpc_server.start()
+        try:
+            yield
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop()
+            await router.close()
+
+    async def authorize(request: Request) -> None:
+        if keys.requires_auth(request.url.path, settings.gateway.metrics_require_auth):
+            keys.check(request.headers.get("authorization"))
+
+    app = FastAPI(
+        title="adaserve",
+        summary="OpenAI-compatible API with per-request TPOT SLOs",
+        lifespan=lifespan,
+        dependencies=[Depends(authorize)],
+    )
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        spec = _build(
+            gw,
+            "completion",
+            lambda: specs.from_completion(body, settings, request.headers, gw.slo_classes()),
+        )
+        return await _serve(request, gw, spec, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        spec = _build(
+            gw, "chat", lambda: specs.from_chat(body, settings, request.headers, gw.slo_classes())
+        )
+        return await _serve(request, gw, spec, body.stream, body.include_usage)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        router: Router = request.app.state.gateway.router
+        seen: dict[str, int] = {}
+        for unit in router.healthy():
+            if unit.info:
+                seen.setdefault(unit.info.served_model_name, unit.info.max_model_len)
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "adaserve",
+                "max_model_len": max_len,
+            }
+            for name, max_len in sorted(seen.items())
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        router: Router = request.app.state.gateway.router
+        units = [
+            {
+                "address": u.address,
+                "healthy": u.healthy and not u.retired,
+                "outstanding": u.outstanding,
+                "error": u.last_error or None,
+            }
+            for u in router.units.values()
+        ]
+        if router.healthy():
+            return JSONResponse({"status": "ready", "units": units})
+        err = APIError(503, "no healthy serving unit", code="no_healthy_unit")
+        return JSONResponse({**err.body(), "units": units}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        gw.metrics.healthy_units.set(len(gw.router.healthy()))
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _build(gw: Gateway, endpoint: str, make: Any) -> specs.GenerateSpec:
+    try:
+        return make()
+    except APIError as err:
+        gw.rejected(endpoint, err)
+        raise
+
+
+async def _serve(
+    request: Request, gw: Gateway, spec: specs.GenerateSpec, stream: bool, include_usage: bool
+) -> Response:
+    gen = await gw.open(spec)
+    assert gen.header is not None
+    fmt = Formatter(spec.kind, spec.response_id, gen.header.model, include_usage)
+    headers = {"x-request-id": spec.client_request_id or spec.engine_id}
+    if stream:
+        headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return _SSEResponse(gen, _events(gen, fmt), headers=headers)
+    try:
+        body = await _until_disconnect(request, _collect(gen, fmt))
+    finally:
+        await gen.aclose()
+    if body is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(body, headers=headers)
+
+
+async def _events(gen: Generation, fmt: Formatter) -> AsyncIterator[str]:
+    assert gen.header is not None
+    for obj in fmt.opening():
+        yield sse(obj)
+    completion_tokens = 0
+    try:
+        async for chunk in gen.chunks():
+            completion_tokens = chunk.num_generated
+            if (frame := fmt.chunk(chunk)) is not None:
+                yield sse(frame)
+    except APIError as err:
+        # Headers are gone already: the error travels as a frame (the openai client
+        # raises APIError on it) and there is no [DONE], so nothing looks complete.
+        yield sse(err.body())
+        return
+    if fmt.include_usage:
+        yield sse(fmt.usage_chunk(gen.header.num_prompt_tokens, completion_tokens))
+    yield DONE_FRAME
+
+
+async def _collect(gen: Generation, fmt: Formatter) -> dict[str, Any]:
+    assert gen.header is not None
+    parts: list[str] = []
+    completion_tokens, reason = 0, None
+    async for chunk in gen.chunks():
+        parts.append(chunk.text)
+        completion_tokens, reason = chunk.num_generated, chunk.finish_reason
+    return fmt.full("".join(parts), reason, gen.header.num_prompt_tokens, completion_tokens)
+
+
+async def _until_disconnect(request: Request, coro: Any) -> Any:
+    """Runs `coro` unless the client disconnects first (then cancels it, returns None).
+    The body is already read, so the next ASGI message can only be the disconnect."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return work.result() if work in done else None
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams until done or until the client disconnects, whichever comes first, and
+    always closes the generation: a vanished client cancels the verifier call at once
+    rather than at the next write."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str], headers: dict) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the socket closed under us
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self._gen.aclose()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        api = _validation_error(err)
+        gw = getattr(request.app.state, "gateway", None)
+        if gw is not None:
+            endpoint = "chat" if request.url.path.endswith("chat/completions") else "completion"
+            gw.rejected(endpoint, api)
+        return JSONResponse(api.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        api = APIError(err.status_code, str(err.detail))
+        return JSONResponse(api.body(), status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error", extra={"path": request.url.path})
+        api = APIError(500, "internal server error", code="internal_error")
+        return JSONResponse(api.body(), status_code=500)
+
+
+def _validation_error(err: RequestValidationError) -> APIError:
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "request body is not valid JSON", code="invalid_json")
+    msg = first.get("msg", "invalid request")
+    param = ".".join(loc) or None
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")

@@ -1,0 +1,217 @@
+"""The gateway's one domain operation: forward a request to a verifier unit and relay
+its stream. Both fronts (REST and gRPC) call `Gateway.open`, then iterate
+`Generation.chunks()`, then `aclose()`; routing, retries before admission, metrics and
+the per-request log line live here so the fronts only translate formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from adaserve.config import Settings
+from adaserve.rpc.v1 import verifier_pb2 as vpb
+from gateway.errors import APIError, from_grpc
+from gateway.metrics import GatewayMetrics, RequestTimes
+from gateway.router import Router, Unit
+from gateway.spec import GenerateSpec
+
+log = logging.getLogger("adaserve.gateway.requests")
+
+FINISH_REASONS = {
+    vpb.FINISH_REASON_UNSPECIFIED: None,
+    vpb.FINISH_REASON_STOP: "stop",
+    vpb.FINISH_REASON_LENGTH: "length",
+    vpb.FINISH_REASON_ABORT: "abort",
+    vpb.FINISH_REASON_TIMEOUT: "timeout",
+    vpb.FINISH_REASON_ERROR: "error",
+}
+CLIENT_CLOSED = 499  # nginx's status for "client went away first"
+# Backstop over the engine's own timeout_s handling, which normally fires first.
+_DEADLINE_SLACK_S = 5.0
+
+
+@dataclass(frozen=True)
+class Header:
+    """The verifier admitted the request: what is known before any token."""
+
+    model: str
+    num_prompt_tokens: int
+    tpot_slo_ms: float
+    slo_class: str
+    best_effort: bool
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "timeout" | "abort" on the last chunk
+    num_prompt_tokens: int
+    num_generated: int
+
+
+class Gateway:
+    def __init__(self, settings: Settings, router: Router, metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.router = router
+        self.metrics = metrics
+
+    def slo_classes(self) -> set[str]:
+        return set(self.settings.slo.classes) | self.router.slo_classes()
+
+    def rejected(self, endpoint: str, err: APIError, slo_class: str = "") -> None:
+        """Count a request refused before it reached a unit (validation, auth)."""
+        self.metrics.requests.labels(endpoint, str(err.status), slo_class).inc()
+
+    async def open(self, spec: GenerateSpec) -> Generation:
+        """Route and submit; returns once the unit admitted the request. Raises
+        APIError (400 bad input, 429 engine full, 503 no unit) before any output."""
+        gen = Generation(self, spec)
+        self.metrics.in_flight.inc()
+        tried: set[str] = set()
+        try:
+            while True:
+                unit = self.router.pick(spec.model, frozenset(tried))
+                tried.add(unit.address)
+                try:
+                    await gen.submit(unit)
+                    return gen
+                except _Retry:
+                    continue  # that unit went away before admitting: try another
+        except APIError as err:
+            gen.status = err.status
+            await gen.aclose()
+            raise
+
+
+class _Retry(Exception):
+    pass
+
+
+class Generation:
+    """One request in flight. Always `aclose()` it (the fronts do, in `finally`)."""
+
+    def __init__(self, gateway: Gateway, spec: GenerateSpec) -> None:
+        self.gw = gateway
+        self.spec = spec
+        self.times = RequestTimes(time.monotonic())
+        self.header: Header | None = None
+        self.status: int | None = None  # HTTP status once known
+        self.finish_reason: str | None = None
+        self.unit: Unit | None = None  # the unit serving (or last tried)
+        self._leased: Unit | None = None  # counted in its outstanding requests
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._text: list[str] = []  # only kept when settings.log_prompts
+        self._closed = False
+
+    async def submit(self, unit: Unit) -> None:
+        spec = self.spec
+        deadline = None if spec.timeout_s is None else spec.timeout_s + _DEADLINE_SLACK_S
+        self.unit = self._leased = unit
+        unit.outstanding += 1
+        self._call = unit.stub.Generate(spec.to_pb(), timeout=deadline)
+        try:
+            first = await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            self._release()
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                self.gw.router.mark_failed(unit, f"Generate: {err.details()}")
+                raise _Retry() from err
+            raise from_grpc(err, unit.address) from err
+        if first is grpc.aio.EOF:
+            self._release()
+            raise APIError(502, f"serving unit {unit.address} closed the stream before admission")
+        self.header = Header(
+            model=unit.info.served_model_name if unit.info else (spec.model or ""),
+            num_prompt_tokens=first.num_prompt_tokens,
+            tpot_slo_ms=first.tpot_slo_ms,
+            slo_class=first.slo_class or spec.metrics_class,
+            best_effort=first.best_effort,
+        )
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Token chunks in order; the last has finish_reason set. Raises APIError when
+        the unit fails mid-stream (the fronts turn that into an error frame)."""
+        assert self._call is not None and self.unit is not None
+        while True:
+            try:
+                msg = await self._call.read()
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.gw.router.mark_failed(self.unit, f"Generate: {err.details()}")
+                self.status = 503 if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED else 408
+                raise from_grpc(err, self.unit.address) from err
+            if msg is grpc.aio.EOF:
+                self.status = 502
+                raise APIError(502, "serving unit ended the stream without a finish reason")
+            reason = FINISH_REASONS.get(msg.finish_reason, "error")
+            if reason == "error":
+                self.status = 500
+                raise APIError(500, f"generation failed: {msg.error or 'engine error'}")
+            self.times.on_tokens(time.monotonic(), len(msg.token_ids))
+            if self.gw.settings.log_prompts:
+                self._text.append(msg.text)
+            yield Chunk(
+                tuple(msg.token_ids), msg.text, reason, msg.num_prompt_tokens, msg.num_generated
+            )
+            if reason is not None:
+                self.finish_reason = reason
+                self.status = 200
+                return
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._call is not None and not self._call.done():
+            self._call.cancel()  # the verifier aborts the request and frees its KV
+        self._release()
+        self.gw.metrics.in_flight.dec()
+        status = self.status if self.status is not None else CLIENT_CLOSED
+        now = time.monotonic()
+        h = self.header
+        slo_class = h.slo_class if h else self.spec.metrics_class
+        self.gw.metrics.requests.labels(self.spec.kind, str(status), slo_class).inc()
+        if h is not None and self.finish_reason in ("stop", "length"):
+            self.gw.metrics.finished(
+                slo_class, h.tpot_slo_ms, self.times, now, h.num_prompt_tokens, h.best_effort
+            )
+        self._log(status, now)
+
+    def _release(self) -> None:
+        if self._leased is not None:
+            self._leased.outstanding -= 1
+            self._leased = None
+
+    def _log(self, status: int, now: float) -> None:
+        t, h = self.times, self.header
+        fields = {
+            "request_id": self.spec.engine_id,
+            "client_request_id": self.spec.client_request_id,
+            "endpoint": self.spec.kind,
+            "status": status,
+            "finish_reason": self.finish_reason,
+            "unit": self.unit.address if self.unit else None,
+            "slo_class": h.slo_class if h else self.spec.metrics_class,
+            "tpot_slo_ms": h.tpot_slo_ms if h else self.spec.tpot_slo_ms,
+            "prompt_tokens": h.num_prompt_tokens if h else None,
+            "completion_tokens": t.n_tokens,
+            "ttft_ms": _ms(t.t_first - t.t_submit) if t.t_first is not None else None,
+            "tpot_ms": _ms(t.tpot_s) if t.tpot_s is not None else None,
+            "e2e_ms": _ms(now - t.t_submit),
+        }
+        if self.gw.settings.log_prompts:
+            fields["prompt"] = self.spec.prompt_text or [
+                m.content for m in self.spec.messages or ()
+            ]
+            fields["completion"] = "".join(self._text)
+        log.info("request finished", extra=fields)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)

@@ -1,0 +1,90 @@
+"""`adaserve verifier`: one serving unit (the target model and the engine loop).
+
+    adaserve verifier --host H --port P --target PATH [--tp N]
+                      [--drafter PATH | --drafter-address H:P] [--scheduler-address H:P]
+
+No drafter address: an in-process drafter from `--drafter PATH` (or from the settings
+file), otherwise no speculation. No scheduler address: in-process selection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from adaserve.config import Settings, load_settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=50053, help="0 picks a free port")
+    parser.add_argument("--target", help="target model: HF directory, .gguf or 'embedded'")
+    parser.add_argument("--drafter", help="in-process drafter model (PATH, 'embedded' or 'none')")
+    parser.add_argument("--drafter-address", metavar="H:P", help="drafter service")
+    parser.add_argument("--scheduler-address", metavar="H:P", help="scheduler service")
+    parser.add_argument("--tp", type=int, help="tensor-parallel degree (ranks started here)")
+    parser.add_argument("--served-model-name", help="the `model` clients send")
+    parser.add_argument(
+        "--metrics-port", type=int, default=-1, help="Prometheus HTTP port; -1 disables it"
+    )
+    parser.add_argument("--config", help="YAML settings file")
+    parser.add_argument("--log-level", default="info")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    base = load_settings(args.config)
+    model: dict[str, Any] = {}
+    if args.target:
+        model["target"] = args.target
+        # A drafter must share the target's vocabulary: the embedded default only fits
+        # the embedded target, so a custom target without --drafter runs without one.
+        if "drafter" not in base.model.model_fields_set and args.target != "embedded":
+            model["drafter"] = None
+    if args.drafter:
+        model["drafter"] = None if args.drafter == "none" else args.drafter
+    if args.tp:
+        model["tp"] = args.tp
+    if args.served_model_name:
+        model["served_name"] = args.served_model_name
+    services: dict[str, Any] = {}
+    if args.drafter_address:
+        services["drafter"] = args.drafter_address
+    if args.scheduler_address:
+        services["scheduler"] = args.scheduler_address
+    return load_settings(args.config, model=model, services=services)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `adaserve verifier --help` never pays for torch.
+    from adaserve.engine_build import build_engine
+    from adaserve.model.loader import load_tokenizer, resolve_model
+    from gateway import logs
+    from services.common.server import run_until_signal
+    from services.verifier.server import build_server
+
+    logs.configure(args.log_level)
+    settings = settings_from_args(args)
+    if args.metrics_port >= 0:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.host)
+    engine = build_engine(settings)
+    try:
+        tokenizer = load_tokenizer(resolve_model(settings.model.target))
+    except Exception as exc:  # token-id prompts still work without one
+        print(f"verifier: no tokenizer ({exc}); only token-id prompts", file=sys.stderr)
+        tokenizer = None
+    engine.start()
+    try:
+        return run_until_signal(
+            lambda: build_server(engine, settings, args.host, args.port, tokenizer)
+        )
+    finally:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    from adaserve.cli import main
+
+    raise SystemExit(main(["verifier", *sys.argv[1:]]))

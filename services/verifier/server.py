@@ -1,0 +1,240 @@
+"""The verifier servicer: one serving unit's engine behind gRPC.
+
+`Generate` turns the wire request into a `GenerationRequest` (tokenizing text, or
+rendering chat messages with the target's chat template, off the event loop), submits
+it, and relays the engine's `TokenDelta`s. When the call ends early for any reason
+(client cancelled, gateway gone, deadline) the request is aborted, which frees its KV
+on the verifier and the drafter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from adaserve.config import Settings
+from adaserve.engine import Engine, EngineFull
+from adaserve.request import GenerationRequest, SamplingParams, TokenDelta
+from adaserve.rpc.v1 import verifier_pb2 as vpb
+from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
+from services.common.server import GrpcServer, Service
+
+log = logging.getLogger("adaserve.verifier")
+
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
+CUSTOM_SLO_CLASS = "custom"
+RETRY_AFTER_S = 1
+
+_FINISH = {
+    None: vpb.FINISH_REASON_UNSPECIFIED,
+    "stop": vpb.FINISH_REASON_STOP,
+    "length": vpb.FINISH_REASON_LENGTH,
+    "abort": vpb.FINISH_REASON_ABORT,
+    "timeout": vpb.FINISH_REASON_TIMEOUT,
+    "error": vpb.FINISH_REASON_ERROR,
+}
+
+
+class VerifierServicer(vgrpc.VerifierServicer):
+    def __init__(self, engine: Engine, settings: Settings, tokenizer: Any = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        # Its own tokenizer instance on its own thread: a fast tokenizer is not safe to
+        # call from two threads at once ("Already borrowed"), and the engine thread
+        # detokenizes with the engine's instance.
+        self.tokenizer = tokenizer
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def Generate(
+        self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[vpb.GenerateChunk]:
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(self._tokenize, self._prompt_ids, request)
+        tpot_slo_ms, slo_class = self._slo(request)
+        req = GenerationRequest(
+            id=request.request_id,
+            prompt_token_ids=prompt,
+            sampling=self._sampling(request.sampling, len(prompt)),
+            tpot_slo_ms=tpot_slo_ms,
+            slo_class=slo_class,
+            priority=request.priority,
+            timeout_s=request.timeout_s or None,
+        )
+        try:
+            stream = self.engine.submit(req)
+        except EngineFull as exc:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                str(exc),
+                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),),
+            )
+        log.info(
+            "request admitted",
+            extra={
+                "request_id": req.id,
+                "client_request_id": request.client_request_id or None,
+                "prompt_tokens": len(prompt),
+                "max_tokens": req.sampling.max_tokens,
+                "tpot_slo_ms": tpot_slo_ms,
+                "slo_class": slo_class,
+            },
+        )
+        finished = False
+        try:
+            yield vpb.GenerateChunk(
+                num_prompt_tokens=len(prompt),
+                tpot_slo_ms=tpot_slo_ms,
+                slo_class=slo_class,
+                server_elapsed_ms=_ms_since(t0),
+            )
+            async for delta in stream.aiter():
+                finished = delta.finish_reason is not None
+                yield _chunk(delta, tpot_slo_ms, slo_class, t0)
+        finally:
+            if not finished:
+                # Cancelled mid-stream (the exception propagates on its own).
+                self.engine.abort(req.id)
+
+    async def Abort(
+        self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> vpb.AbortResponse:
+        self.engine.abort(request.request_id)
+        return vpb.AbortResponse()
+
+    async def Info(
+        self, request: vpb.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> vpb.InfoResponse:
+        info = self.engine.info()
+        slo = self.settings.slo
+        return vpb.InfoResponse(
+            served_model_name=info.model,
+            max_model_len=info.max_model_len,
+            baseline_tpot_ms=info.baseline_tpot_ms,
+            slo_classes={
+                name: cls.resolve_ms(info.baseline_tpot_ms) for name, cls in slo.classes.items()
+            },
+            default_slo_class=slo.default_class,
+            tp=self.settings.model.tp,
+            speculative=info.speculative,
+            vocab_size=int(getattr(self.engine.target, "vocab_size", 0)),
+            eos_token_ids=list(info.eos_token_ids),
+        )
+
+    async def Stats(
+        self, request: vpb.VerifierStatsRequest, context: grpc.aio.ServicerContext
+    ) -> vpb.VerifierStatsResponse:
+        s = self.engine.stats()
+        return vpb.VerifierStatsResponse(
+            running=s.running,
+            waiting=s.waiting,
+            kv_usage=s.kv_usage,
+            num_requests=s.tracked,
+            iterations=s.iterations,
+            drafter_healthy=s.drafter_healthy,
+            scheduler_healthy=s.scheduler_healthy,
+        )
+
+    # -- conversion ------------------------------------------------------------------
+
+    def _prompt_ids(self, request: vpb.GenerateRequest) -> tuple[int, ...]:
+        """Token ids of the prompt; ValueError (INVALID_ARGUMENT) when it cannot be had."""
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            return tuple(request.token_ids.ids)
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("this serving unit has no tokenizer: send prompt token ids")
+        if which == "text":
+            return tuple(tok.encode(request.text))
+        if which == "chat":
+            return tuple(_render_chat(tok, request.chat))
+        raise ValueError("prompt: one of text, chat or token_ids is required")
+
+    def _slo(self, request: vpb.GenerateRequest) -> tuple[float, str]:
+        slo = self.settings.slo
+        if request.tpot_slo_ms:
+            return request.tpot_slo_ms, request.slo_class or CUSTOM_SLO_CLASS
+        name = request.slo_class or slo.default_class
+        if name not in slo.classes:
+            known = ", ".join(sorted(slo.classes))
+            raise ValueError(f"slo_class: unknown class {name!r}; known classes: {known}")
+        return slo.classes[name].resolve_ms(self.engine.info().baseline_tpot_ms), name
+
+    def _sampling(self, sp: vpb.SamplingParams, num_prompt: int) -> SamplingParams:
+        max_tokens = sp.max_tokens
+        if max_tokens < 0:
+            raise ValueError(
+                f"max_tokens must be >= 0 (0: the rest of the context), got {max_tokens}"
+            )
+        if max_tokens == 0:
+            max_tokens = self.engine.max_model_len - num_prompt
+            if max_tokens < 1:
+                raise ValueError(
+                    f"prompt ({num_prompt} tokens) fills the model's context length "
+                    f"({self.engine.max_model_len})"
+                )
+        return SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p or 1.0,
+            top_k=sp.top_k,
+            seed=sp.seed if sp.HasField("seed") else None,
+            max_tokens=max_tokens,
+            stop=tuple(sp.stop),
+            stop_token_ids=tuple(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        )
+
+
+def _render_chat(tokenizer: Any, chat: vpb.ChatMessages) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: use /v1/completions")
+    messages = [
+        {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+        for m in chat.messages
+    ]
+    # Render to text, then encode: the same on every transformers version (tokenize=True
+    # changed its return type), and the template already holds the special tokens.
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=chat.add_generation_prompt, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _chunk(delta: TokenDelta, tpot_slo_ms: float, slo_class: str, t0: float) -> vpb.GenerateChunk:
+    out = vpb.GenerateChunk(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finish_reason=_FINISH[delta.finish_reason],
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_generated=delta.num_generated,
+        tpot_slo_ms=tpot_slo_ms,
+        slo_class=slo_class,
+        best_effort=delta.best_effort,
+        error=delta.error or "",
+        server_elapsed_ms=_ms_since(t0),
+    )
+    if delta.ttft_ms is not None:
+        out.ttft_ms = delta.ttft_ms
+    return out
+
+
+def _ms_since(t0: float) -> float:
+    return (time.monotonic() - t0) * 1000.0
+
+
+def build_server(
+    engine: Engine, settings: Settings, host: str, port: int, tokenizer: Any = None
+) -> GrpcServer:
+    servicer = VerifierServicer(engine, settings, tokenizer)
+    return GrpcServer(
+        [Service(SERVICE_NAME, lambda s: vgrpc.add_VerifierServicer_to_server(servicer, s))],
+        host,
+        port,
+    )
