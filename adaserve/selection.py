@@ -1,0 +1,249 @@
+"""SLO-customized token selection (paper 000/001, Algorithm 2) and its ablations.
+
+Given every request's progress, its candidate tree and the verifier's token budget B,
+choose the nodes to verify. Every root costs one budget slot and counts 1.0 toward the
+expected accepted tokens (the bonus token is always emitted).
+
+Policies:
+- `adaserve`: the SLO phase, then the throughput phase. SLO phase: requests in
+  descending A(r) (setting `order`), each adds its highest-f remaining nodes until
+  1 + sum f >= A_cap(r), or it holds n_max nodes (root included), or the budget is
+  spent. Throughput phase: the rest of B goes to the globally highest-f nodes left.
+- `equal` (EqualGreedy): B split evenly, each request greedy within its share.
+- `global` (GlobalGreedy): roots, then the throughput phase only.
+- `optimal`: Algorithm 1 on exact f (adaserve/optimal.py).
+
+"Highest f" is the greedy order of TreeBatch.greedy_order: log f descending, then
+depth, then request, then node index. Each phase takes prefixes of that order, so the
+selected nodes always form connected trees.
+
+Everything is vectorized over the batch: the SLO phase is a cumulative sum over each
+tree's greedy prefix, sequential budget consumption across requests is a clip of a
+cumulative sum, and the throughput phase is a prefix of the global order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from adaserve.slo import slo_targets
+from adaserve.tree import CandidateTree, TreeBatch, TreeError
+
+POLICIES = ("adaserve", "equal", "global", "optimal")
+ORDERS = ("descending_a", "ascending_a")
+_TAKEN = np.uint64(np.iinfo(np.uint64).max)  # above every node's greedy key
+
+
+class SelectionError(ValueError):
+    """Bad selection input; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    id: str
+    tpot_slo_ms: float  # > 0
+    elapsed_ms: float  # l_r: time since the request's first decoding step
+    decoded: int  # o_r: tokens decoded so far
+
+
+@dataclass(frozen=True)
+class SelectionParams:
+    budget: int  # B, every root costs one slot
+    depth: int  # d of the candidate trees (A_cap = min(A, d + 1))
+    t_spec_ms: float  # predicted latency of this iteration
+    policy: str = "adaserve"  # adaserve | equal | global | optimal
+    n_max: int | None = None  # None -> ceil(1.2 * B / n)
+    order: str = "descending_a"  # descending_a (paper) | ascending_a (FlexFlow code)
+
+
+@dataclass(frozen=True)
+class Selection:
+    selected: list[np.ndarray]  # per request: ascending node indices, always has 0
+    a: np.ndarray  # float64 [n]
+    a_cap: np.ndarray  # float64 [n]
+    expected_accepted: np.ndarray  # float64 [n]: sum of f over selected (root = 1.0)
+    budget_used: int
+    invalid: bool = False  # only policy "optimal" sets it (selected is then empty)
+
+
+def default_n_max(budget: int, n: int) -> int:
+    """ceil(1.2 * B / n), as in the public AdaServe code; exact in integers."""
+    return -(-6 * budget // (5 * n)) if n else budget
+
+
+def select(
+    requests: Sequence[RequestProgress],
+    trees: Sequence[CandidateTree] | TreeBatch,
+    params: SelectionParams,
+) -> Selection:
+    """Chooses the nodes to verify; raises SelectionError on bad input."""
+    batch = trees if isinstance(trees, TreeBatch) else _batch_of(trees)
+    _check_params(params)
+    n = len(requests)
+    if n != len(batch):
+        raise SelectionError(f"requests: {n} requests but {len(batch)} candidate trees")
+    if params.budget < n:
+        raise SelectionError(
+            f"budget: {params.budget} is smaller than the number of roots ({n}); "
+            "every root costs one slot"
+        )
+    try:
+        batch.validate()
+    except TreeError as exc:
+        raise SelectionError(str(exc)) from exc
+    a, a_cap = slo_targets(*_progress_arrays(requests), params.t_spec_ms, params.depth)
+    if n == 0:
+        return Selection([], a, a_cap, np.zeros(0), 0)
+
+    if params.policy == "optimal":
+        from adaserve.optimal import optimal_selection  # it builds on this module
+
+        return optimal_selection(batch, a, a_cap, params.budget)
+    if params.policy == "adaserve":
+        n_max = params.n_max if params.n_max is not None else default_n_max(params.budget, n)
+        take = slo_phase(batch, a, a_cap, params.budget, n_max, params.order)
+    elif params.policy == "equal":
+        take = equal_shares(batch, params.budget)
+    else:  # global
+        take = np.ones(n, dtype=np.int64)
+    mask = prefix_mask(batch, take)
+    if params.policy != "equal":
+        throughput_phase(batch, mask, params.budget - int(take.sum()))
+    return assemble(batch, mask, a, a_cap)
+
+
+def slo_phase(
+    batch: TreeBatch,
+    a: np.ndarray,
+    a_cap: np.ndarray,
+    budget: int,
+    n_max: int,
+    order: str = "descending_a",
+) -> np.ndarray:
+    """Nodes each request holds after the SLO phase (root included): int64 [n]."""
+    want, _ = greedy_prefix(batch, a_cap, np.minimum(batch.sizes, n_max))
+    extra = want - 1  # the roots are paid for up front
+    rank = np.argsort(-a if order == "descending_a" else a, kind="stable")
+    ranked = extra[rank]
+    # Requests consume the budget one after another: each gets what it wants, clipped
+    # to what the requests before it left over.
+    before = np.cumsum(ranked) - ranked
+    take = np.ones(len(batch), dtype=np.int64)
+    take[rank] += np.clip(budget - len(batch) - before, 0, ranked)
+    return take
+
+
+def equal_shares(batch: TreeBatch, budget: int) -> np.ndarray:
+    """EqualGreedy: B // n nodes each (the first B % n requests one more), at most the
+    whole tree; shares a request cannot use are not passed on."""
+    n = len(batch)
+    share = budget // n + (np.arange(n) < budget % n)
+    return np.minimum(share, batch.sizes)
+
+
+def greedy_prefix(
+    batch: TreeBatch, target: np.ndarray, limit: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each tree, the shortest prefix of its greedy order (root included) whose sum
+    of f reaches `target`, at most `limit` nodes: (count int64 [n], reached bool [n])."""
+    width = max(1, int(limit.max()))
+    cols = np.arange(width)
+    f = batch.path_probs_grid().reshape(-1)[batch.cells(batch.greedy_rows()[:, :width])]
+    # Summed left to right from the root's 1.0, as the sequential algorithm adds them.
+    acc = np.cumsum(np.where(cols < limit[:, None], f, 0.0), axis=1)
+    stop = (acc >= target[:, None]) | (cols >= limit[:, None] - 1)
+    count = np.argmax(stop, axis=1) + 1
+    reached = acc[np.arange(len(batch)), count - 1] >= target
+    return count, reached
+
+
+def prefix_mask(batch: TreeBatch, take: np.ndarray) -> np.ndarray:
+    """bool [n, width] grid: the first take[k] >= 1 nodes of each tree's greedy order."""
+    last = batch.greedy_rows()[np.arange(len(batch)), take - 1]
+    return batch.greedy_keys() <= last[:, None]
+
+
+def throughput_phase(batch: TreeBatch, mask: np.ndarray, spare: int) -> None:
+    """Adds (in place) the `spare` globally highest-f nodes not yet in `mask`."""
+    k = min(spare, batch.num_nodes - int(np.count_nonzero(mask)))
+    if k <= 0:
+        return
+    keys = batch.greedy_keys()
+    left = np.where(mask, _TAKEN, keys).reshape(-1)
+    # Keys are unique, so the k-th smallest is an exact cut.
+    mask |= keys <= np.partition(left, k - 1)[k - 1]
+
+
+def assemble(batch: TreeBatch, mask: np.ndarray, a: np.ndarray, a_cap: np.ndarray) -> Selection:
+    """The Selection of the nodes in `mask` (a [n, width] grid)."""
+    _, nodes = np.nonzero(mask)  # row-major: ascending within each tree
+    ends = np.cumsum(np.count_nonzero(mask, axis=1)).tolist()
+    starts = [0, *ends[:-1]]
+    return Selection(
+        selected=[nodes[s:e] for s, e in zip(starts, ends, strict=True)],
+        a=a,
+        a_cap=a_cap,
+        expected_accepted=np.where(mask, batch.path_probs_grid(), 0.0).sum(axis=1),
+        budget_used=int(nodes.shape[0]),
+    )
+
+
+def _batch_of(trees: Sequence[CandidateTree]) -> TreeBatch:
+    try:
+        return TreeBatch.from_trees(trees)
+    except TreeError as exc:
+        raise SelectionError(str(exc)) from exc
+
+
+def _check_params(p: SelectionParams) -> None:
+    if not _is_int(p.budget) or p.budget <= 0:
+        raise SelectionError(f"budget: must be a positive integer, got {p.budget!r}")
+    if not _is_int(p.depth) or p.depth < 0:
+        raise SelectionError(f"depth: must be a non-negative integer, got {p.depth!r}")
+    if not _is_number(p.t_spec_ms) or not math.isfinite(p.t_spec_ms) or p.t_spec_ms < 0:
+        raise SelectionError(f"t_spec_ms: must be a finite number >= 0, got {p.t_spec_ms!r}")
+    if p.policy not in POLICIES:
+        raise SelectionError(f"policy: {p.policy!r} is not one of {', '.join(POLICIES)}")
+    if p.order not in ORDERS:
+        raise SelectionError(f"order: {p.order!r} is not one of {', '.join(ORDERS)}")
+    if p.n_max is not None and (not _is_int(p.n_max) or p.n_max < 1):
+        raise SelectionError(f"n_max: must be a positive integer or None, got {p.n_max!r}")
+
+
+def _progress_arrays(
+    requests: Sequence[RequestProgress],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(requests)
+    try:
+        elapsed = np.fromiter((r.elapsed_ms for r in requests), np.float64, n)
+        decoded = np.fromiter((r.decoded for r in requests), np.float64, n)
+        tpot = np.fromiter((r.tpot_slo_ms for r in requests), np.float64, n)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise SelectionError(
+            f"requests: each needs numeric tpot_slo_ms, elapsed_ms, decoded ({exc})"
+        ) from exc
+    for name, values, ok in (
+        ("tpot_slo_ms", tpot, np.isfinite(tpot) & (tpot > 0)),
+        ("elapsed_ms", elapsed, np.isfinite(elapsed) & (elapsed >= 0)),
+        ("decoded", decoded, np.isfinite(decoded) & (decoded >= 0)),
+    ):
+        if not ok.all():
+            k = int(np.argmin(ok))
+            need = "a positive finite number" if name == "tpot_slo_ms" else "finite and >= 0"
+            raise SelectionError(
+                f"requests[{k}].{name}: must be {need}, got {float(values[k])!r} "
+                f"(request {requests[k].id!r})"
+            )
+    return elapsed, decoded, tpot
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)

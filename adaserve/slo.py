@@ -1,0 +1,43 @@
+"""How many tokens each request must get accepted this iteration to stay on its SLO.
+
+A request that has decoded o_r tokens in l_r ms since its first decoding step meets a
+TPOT SLO t_r after this iteration (which takes t_spec ms) when
+(l_r + t_spec) / (o_r + accepted) <= t_r, i.e. accepted >= A(r) with
+
+    A(r) = (l_r + t_spec) / t_r - o_r                       (paper 000, section 3)
+
+A tree of depth d can yield at most d + 1 tokens (d drafted plus the bonus token), so
+selection aims at A_cap(r) = min(A(r), d + 1). A(r) <= 1 means the bonus token alone
+keeps the request on track.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def required_accepted(
+    elapsed_ms: np.ndarray, decoded: np.ndarray, tpot_slo_ms: np.ndarray, t_spec_ms: float
+) -> np.ndarray:
+    """A(r) for every request: float64 [n]."""
+    elapsed = np.asarray(elapsed_ms, dtype=np.float64)
+    return (elapsed + t_spec_ms) / np.asarray(tpot_slo_ms, dtype=np.float64) - np.asarray(
+        decoded, dtype=np.float64
+    )
+
+
+def capped(a: np.ndarray, depth: int) -> np.ndarray:
+    """A_cap(r) = min(A(r), d + 1): float64 [n]."""
+    return np.minimum(np.asarray(a, dtype=np.float64), float(depth + 1))
+
+
+def slo_targets(
+    elapsed_ms: np.ndarray,
+    decoded: np.ndarray,
+    tpot_slo_ms: np.ndarray,
+    t_spec_ms: float,
+    depth: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(A, A_cap), both float64 [n]."""
+    a = required_accepted(elapsed_ms, decoded, tpot_slo_ms, t_spec_ms)
+    return a, capped(a, depth)
