@@ -1,0 +1,1 @@
+"""What every adaserve gRPC service and client shares: options, bootstrap, conversion."""

@@ -1,0 +1,163 @@
+"""Protobuf <-> domain values, for every service and client.
+
+Arrays cross the wire as packed little-endian bytes: encoding is one `tobytes` per
+buffer and decoding one `np.frombuffer`, whatever the batch size. Structural checks
+that only the wire format can get wrong (byte lengths, enum values, counts) live here;
+everything else is the domain's to validate, with messages that name the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from adaserve.rpc.v1 import common_pb2, scheduler_pb2
+from adaserve.selection import ORDERS, POLICIES, RequestProgress, Selection, SelectionParams
+from adaserve.tree import CandidateTree, TreeBatch
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+
+_POLICY_TO_PB = {
+    "adaserve": scheduler_pb2.SELECTION_POLICY_ADASERVE,
+    "equal": scheduler_pb2.SELECTION_POLICY_EQUAL,
+    "global": scheduler_pb2.SELECTION_POLICY_GLOBAL,
+    "optimal": scheduler_pb2.SELECTION_POLICY_OPTIMAL,
+}
+_POLICY_FROM_PB = {v: k for k, v in _POLICY_TO_PB.items()}
+_ORDER_TO_PB = {
+    "descending_a": scheduler_pb2.REQUEST_ORDER_DESCENDING_A,
+    "ascending_a": scheduler_pb2.REQUEST_ORDER_ASCENDING_A,
+}
+_ORDER_FROM_PB = {v: k for k, v in _ORDER_TO_PB.items()}
+assert set(_POLICY_TO_PB) == set(POLICIES) and set(_ORDER_TO_PB) == set(ORDERS)
+
+
+class WireError(ValueError):
+    """A message that cannot be a valid request; the text names the field."""
+
+
+def packed(values: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+def unpacked(buf: bytes, dtype: np.dtype, field: str) -> np.ndarray:
+    """A read-only view of `buf`; raises WireError naming `field` on a ragged length."""
+    if len(buf) % dtype.itemsize:
+        raise WireError(
+            f"{field}: {len(buf)} bytes is not a whole number of {dtype.itemsize}-byte values"
+        )
+    return np.frombuffer(buf, dtype=dtype)
+
+
+# ---- trees ----------------------------------------------------------------------------
+
+
+def trees_to_pb(trees: TreeBatch | Sequence[CandidateTree]) -> common_pb2.CandidateTreeBatch:
+    batch = trees if isinstance(trees, TreeBatch) else TreeBatch.from_trees(trees)
+    return common_pb2.CandidateTreeBatch(
+        sizes=packed(batch.sizes, I32),
+        tokens=packed(batch.tokens, I32),
+        parents=packed(batch.parents, I32),
+        logprobs=packed(batch.logprobs, F32),
+    )
+
+
+def trees_from_pb(msg: common_pb2.CandidateTreeBatch) -> TreeBatch:
+    """Zero-copy views over the message's buffers. Checks lengths only; the tree
+    structure is validated by whoever consumes the batch (select does)."""
+    return TreeBatch.from_buffers(msg.tokens, msg.parents, msg.logprobs, msg.sizes)
+
+
+# ---- selection requests ---------------------------------------------------------------
+
+
+def progress_to_pb(r: RequestProgress) -> common_pb2.RequestProgress:
+    return common_pb2.RequestProgress(
+        id=r.id, tpot_slo_ms=r.tpot_slo_ms, elapsed_ms=r.elapsed_ms, decoded=r.decoded
+    )
+
+
+def select_request_to_pb(
+    requests: Sequence[RequestProgress],
+    trees: TreeBatch | Sequence[CandidateTree],
+    params: SelectionParams,
+) -> scheduler_pb2.SelectRequest:
+    if params.policy not in _POLICY_TO_PB:
+        raise ValueError(f"policy: {params.policy!r} is not one of {', '.join(POLICIES)}")
+    if params.order not in _ORDER_TO_PB:
+        raise ValueError(f"order: {params.order!r} is not one of {', '.join(ORDERS)}")
+    return scheduler_pb2.SelectRequest(
+        progress=[progress_to_pb(r) for r in requests],
+        trees=trees_to_pb(trees),
+        budget=params.budget,
+        depth=params.depth,
+        t_spec_ms=params.t_spec_ms,
+        policy=_POLICY_TO_PB[params.policy],
+        n_max=params.n_max,
+        order=_ORDER_TO_PB[params.order],
+    )
+
+
+def select_request_from_pb(
+    msg: scheduler_pb2.SelectRequest, default_policy: str, default_order: str
+) -> tuple[list[RequestProgress], TreeBatch, SelectionParams]:
+    """UNSPECIFIED policy/order mean the server's configured defaults."""
+    policy = _enum(msg.policy, _POLICY_FROM_PB, default_policy, "policy")
+    order = _enum(msg.order, _ORDER_FROM_PB, default_order, "order")
+    requests = [RequestProgress(p.id, p.tpot_slo_ms, p.elapsed_ms, p.decoded) for p in msg.progress]
+    params = SelectionParams(
+        budget=msg.budget,
+        depth=msg.depth,
+        t_spec_ms=msg.t_spec_ms,
+        policy=policy,
+        n_max=msg.n_max if msg.HasField("n_max") else None,
+        order=order,
+    )
+    return requests, trees_from_pb(msg.trees), params
+
+
+def _enum(value: int, table: dict[int, str], default: str, field: str) -> str:
+    if value == 0:
+        return default
+    try:
+        return table[value]
+    except KeyError:
+        raise WireError(f"{field}: unknown enum value {value}") from None
+
+
+# ---- selections -----------------------------------------------------------------------
+
+
+def selection_to_pb(s: Selection) -> common_pb2.Selection:
+    sizes = np.fromiter((x.shape[0] for x in s.selected), dtype=I32, count=len(s.selected))
+    flat = np.concatenate(s.selected) if s.selected else np.zeros(0, I32)
+    return common_pb2.Selection(
+        sizes=sizes.tobytes(),
+        selected=packed(flat, I32),
+        a=s.a.tolist(),
+        a_cap=s.a_cap.tolist(),
+        expected_accepted=np.asarray(s.expected_accepted, dtype=np.float64).tolist(),
+        budget_used=s.budget_used,
+        invalid=s.invalid,
+    )
+
+
+def selection_from_pb(msg: common_pb2.Selection) -> Selection:
+    sizes = unpacked(msg.sizes, I32, "selection.sizes")
+    flat = unpacked(msg.selected, I32, "selection.selected")
+    ends = np.cumsum(sizes, dtype=np.int64).tolist()
+    if (ends[-1] if ends else 0) != flat.shape[0]:
+        raise WireError(
+            f"selection: sum(sizes)={ends[-1] if ends else 0} but selected has {flat.shape[0]}"
+        )
+    starts = [0, *ends][:-1]
+    return Selection(
+        selected=[flat[s:e] for s, e in zip(starts, ends, strict=True)],
+        a=np.array(msg.a, dtype=np.float64),
+        a_cap=np.array(msg.a_cap, dtype=np.float64),
+        expected_accepted=np.array(msg.expected_accepted, dtype=np.float64),
+        budget_used=msg.budget_used,
+        invalid=msg.invalid,
+    )

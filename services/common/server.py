@@ -1,0 +1,154 @@
+"""One way to run a grpc.aio server: uvloop, health checking, reflection, domain-error
+mapping, shared options, and a graceful stop on SIGTERM/SIGINT (health goes
+NOT_SERVING first so load balancers drain, then in-flight calls get `grace_s`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import DomainErrorInterceptor
+from services.common.options import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str  # full proto name, e.g. "adaserve.rpc.v1.Scheduler"
+    register: Callable[[grpc.aio.Server], None]  # adds the servicer to a server
+
+
+class GrpcServer:
+    """Must be created, started and stopped on the event loop that serves it."""
+
+    def __init__(
+        self, services: Sequence[Service], host: str, port: int, *, grace_s: float = 5.0
+    ) -> None:
+        self.services = list(services)
+        self.address = f"{host}:{port}"
+        self.grace_s = grace_s
+        self.port = port
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(
+            interceptors=[DomainErrorInterceptor()], options=SERVER_OPTIONS
+        )
+
+    async def start(self) -> int:
+        """Binds and starts; returns the bound port (useful with port 0)."""
+        for svc in self.services:
+            svc.register(self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = [svc.name for svc in self.services]
+        reflection.enable_server_reflection(
+            [
+                *names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self._server,
+        )
+        try:
+            self.port = self._server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {self.address}: {exc}") from exc
+        await self._server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on port %d", ", ".join(names), self.port)
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.stop(self.grace_s if grace_s is None else grace_s)
+
+    async def serve_until_signal(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        waiter = asyncio.ensure_future(self._server.wait_for_termination())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            log.info("signal received: draining for up to %.1f s", self.grace_s)
+            await self.stop()
+        stopper.cancel()
+        await waiter
+
+    async def _set_health(self, status: int) -> None:
+        for name in ["", *(svc.name for svc in self.services)]:
+            await self._health.set(name, status)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # uvloop has no Windows build; the default loop still works
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_until_signal(make_server: Callable[[], GrpcServer]) -> int:
+    """Blocking entry point of a service's `__main__`: serve on uvloop until SIGTERM."""
+
+    async def main() -> None:
+        server = make_server()
+        await server.start()
+        print(f"listening on {server.address.rsplit(':', 1)[0]}:{server.port}", flush=True)
+        await server.serve_until_signal()
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
+    return 0
+
+
+class BackgroundServer:
+    """A GrpcServer on its own uvloop thread, for in-process deployments, tests and
+    benchmarks whose callers are synchronous."""
+
+    def __init__(self, make_server: Callable[[], GrpcServer]) -> None:
+        self._make_server = make_server
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: GrpcServer | None = None
+        self.port = 0
+
+    def start(self) -> int:
+        self._thread.start()
+        self.port = self._call(self._start())
+        return self.port
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        if self._server is not None:
+            self._call(self._server.stop(grace_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        with contextlib.suppress(RuntimeError):
+            self._loop.close()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def _start(self) -> int:
+        self._server = self._make_server()
+        return await self._server.start()
+
+    def _call(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)

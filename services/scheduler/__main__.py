@@ -1,0 +1,34 @@
+"""`adaserve scheduler --host H --port P [--config FILE]`: the stateless scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from adaserve.config import load_settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--config", default=None, help="YAML settings file")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `adaserve scheduler --help` stays instant.
+    from services.common.server import run_until_signal
+    from services.scheduler.server import build_server
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = load_settings(args.config)
+    return run_until_signal(lambda: build_server(settings.scheduler, args.host, args.port))
+
+
+if __name__ == "__main__":
+    from adaserve.cli import main
+
+    raise SystemExit(main(["scheduler", *sys.argv[1:]]))
