@@ -275,6 +275,12 @@ def _validation_error(err: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
+    if not loc:
+        return APIError(
+            400,
+            "request body must be a JSON object sent with Content-Type: application/json",
+            code="invalid_body",
+        )
     msg = first.get("msg", "invalid request")
     param = ".".join(loc) or None
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")

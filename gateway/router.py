@@ -102,16 +102,10 @@ class Router:
         return {name for u in self.healthy() if u.info for name in u.info.slo_classes}
 
     def pick(self, model: str | None, exclude: frozenset[str] = frozenset()) -> Unit:
-        """The least loaded healthy unit serving `model` (None: any)."""
-        units = [u for u in self.healthy() if u.address not in exclude]
-        if not units:
-            raise APIError(
-                503,
-                "no healthy serving unit is available; retry shortly",
-                code="no_healthy_unit",
-                retry_after_s=self.interval_s,
-            )
-        if model is not None:
+        """The least loaded healthy unit serving `model` (None: any), skipping units
+        that already failed this request."""
+        units = self.healthy()
+        if model is not None and units:
             units = [u for u in units if u.info and u.info.served_model_name == model]
             if not units:
                 known = ", ".join(self.models()) or "none"
@@ -120,6 +114,14 @@ class Router:
                     param="model",
                     code="model_not_found",
                 )
+        units = [u for u in units if u.address not in exclude]
+        if not units:
+            raise APIError(
+                503,
+                "no healthy serving unit is available; retry shortly",
+                code="no_healthy_unit",
+                retry_after_s=self.interval_s,
+            )
         least = min(u.outstanding for u in units)
         tied = [u for u in units if u.outstanding == least]
         return tied[next(self._rr) % len(tied)]

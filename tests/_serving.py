@@ -38,8 +38,14 @@ def make_served_model(path: Path, seed: int = 0, **overrides: object) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     make_tiny_model(
-        path, "llama", seed=seed, vocab_size=VOCAB, bos_token_id=IM_START,
-        eos_token_id=IM_END, pad_token_id=None, **overrides,
+        path,
+        "llama",
+        seed=seed,
+        vocab_size=VOCAB,
+        bos_token_id=IM_START,
+        eos_token_id=IM_END,
+        pad_token_id=None,
+        **overrides,
     )
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
     tok.decoder = decoders.Fuse()
@@ -88,7 +94,10 @@ class Proc:
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen(
             [sys.executable, "-m", "adaserve.cli", *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
             start_new_session=True,
         )
 

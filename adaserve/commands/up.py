@@ -1,0 +1,318 @@
+"""`adaserve up`: the whole system on localhost, one process per service.
+
+    adaserve up --target PATH --drafter PATH [--tp N] [--verifier-units K] [--port 8000]
+    adaserve up --all-in-one ...   # one verifier with in-process drafter and scheduler
+
+Starts scheduler, drafter(s), verifier(s) and gateway on free loopback ports, waits
+until every one is healthy (gRPC health, then the gateway's /ready), prints the URLs
+and stops them all cleanly on Ctrl-C or SIGTERM. Each service runs in its own process
+group, so a verifier's tensor-parallel ranks go down with it, and a terminal Ctrl-C
+reaches only the launcher, which then stops the services in reverse order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STOP_TIMEOUT_S = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="embedded", help="target model (PATH or embedded)")
+    parser.add_argument(
+        "--drafter", default="embedded", help="drafter model (PATH, embedded, or none)"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per unit")
+    parser.add_argument(
+        "--verifier-units",
+        type=int,
+        default=1,
+        metavar="K",
+        help="serving units (a verifier and its drafter each)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument(
+        "--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free one)"
+    )
+    parser.add_argument(
+        "--all-in-one",
+        action="store_true",
+        help="one verifier with in-process drafter and scheduler",
+    )
+    parser.add_argument("--config", help="YAML settings file passed to every service")
+    parser.add_argument("--log-dir", help="service logs (default: a new temporary directory)")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every service to become healthy",
+    )
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]  # after `adaserve`
+    grpc_address: str | None  # checked with gRPC health; None: the gateway (HTTP /ready)
+    log_path: Path
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it from here
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "adaserve.cli", *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # own process group: TP ranks die with it
+        )
+        log.close()
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        # The whole group, even after the leader exited: its TP ranks may linger.
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
+    """The services to start, in start order (stopped in reverse)."""
+    loop = "127.0.0.1"
+    cfg = ["--config", args.config] if args.config else []
+    drafter = None if args.drafter in (None, "", "none") else args.drafter
+    services: list[Service] = []
+
+    def add(name: str, argv: list[str], port: int | None) -> None:
+        addr = f"{loop}:{port}" if port is not None else None
+        services.append(Service(name, [*argv, *cfg], addr, log_dir / f"{name}.log"))
+
+    verifiers: list[str] = []
+    if args.all_in_one:
+        port = free_port()
+        add(
+            "verifier-0",
+            [
+                "verifier",
+                "--host",
+                loop,
+                "--port",
+                str(port),
+                "--target",
+                args.target,
+                "--tp",
+                str(args.tp),
+                "--drafter",
+                drafter or "none",
+            ],
+            port,
+        )
+        verifiers.append(f"{loop}:{port}")
+    else:
+        sched_port = free_port()
+        add("scheduler", ["scheduler", "--host", loop, "--port", str(sched_port)], sched_port)
+        for k in range(args.verifier_units):
+            extra: list[str] = ["--scheduler-address", f"{loop}:{sched_port}"]
+            if drafter:
+                d_port = free_port()
+                add(
+                    f"drafter-{k}",
+                    ["drafter", "--host", loop, "--port", str(d_port), "--model", drafter],
+                    d_port,
+                )
+                extra += ["--drafter-address", f"{loop}:{d_port}"]
+            else:
+                extra += ["--drafter", "none"]
+            v_port = free_port()
+            add(
+                f"verifier-{k}",
+                [
+                    "verifier",
+                    "--host",
+                    loop,
+                    "--port",
+                    str(v_port),
+                    "--target",
+                    args.target,
+                    "--tp",
+                    str(args.tp),
+                    *extra,
+                ],
+                v_port,
+            )
+            verifiers.append(f"{loop}:{v_port}")
+    grpc_port = args.grpc_port or free_port()
+    gw = ["gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port)]
+    for v in verifiers:
+        gw += ["--verifier", v]
+    add("gateway", gw, None)
+    return services
+
+
+class Launcher:
+    def __init__(self, services: list[Service], ready_url: str) -> None:
+        self.services = services
+        self.ready_url = ready_url
+        self.stopping = threading.Event()
+
+    def start_all(self, timeout_s: float) -> None:
+        """Starts every service and waits until all are healthy; raises RuntimeError
+        (with the failing service's log) when one exits or the timeout passes."""
+        for svc in self.services:
+            svc.start()
+            print(f"  started {svc.name:<12} pid {svc.proc.pid:<7} log {svc.log_path}", flush=True)
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.services)
+        while pending:
+            if self.stopping.is_set():
+                raise KeyboardInterrupt
+            for svc in list(pending):
+                self._check_alive(svc)
+                if self._healthy(svc):
+                    pending.remove(svc)
+                    print(f"  healthy {svc.name}", flush=True)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {names}")
+            if pending:
+                self.stopping.wait(0.25)
+
+    def watch(self) -> int:
+        """Blocks until a signal (returns 0) or a service dies (returns 1)."""
+        while not self.stopping.wait(0.5):
+            for svc in self.services:
+                code = svc.exited()
+                if code is not None:
+                    print(
+                        f"adaserve up: {svc.name} exited with {code}; stopping everything\n"
+                        f"{svc.log_tail()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 1
+        return 0
+
+    def stop_all(self) -> None:
+        for svc in reversed(self.services):
+            svc.signal(signal.SIGTERM)
+            if svc.proc is None:
+                continue
+            try:
+                svc.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                print(f"  {svc.name} ignored SIGTERM; killing it", file=sys.stderr)
+                svc.signal(signal.SIGKILL)
+                svc.proc.wait()
+            svc.signal(signal.SIGKILL)  # leftovers of its group (TP ranks)
+
+    def _check_alive(self, svc: Service) -> None:
+        code = svc.exited()
+        if code is not None:
+            raise RuntimeError(f"{svc.name} exited with {code} during startup:\n{svc.log_tail()}")
+
+    def _healthy(self, svc: Service) -> bool:
+        if svc.grpc_address is None:
+            return _http_ok(self.ready_url)
+        return _grpc_serving(svc.grpc_address)
+
+
+def _grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    if args.verifier_units < 1:
+        return "--verifier-units must be >= 1"
+    if args.all_in_one and args.verifier_units != 1:
+        return "--all-in-one runs exactly one verifier unit"
+    if args.tp < 1:
+        return "--tp must be >= 1"
+    if not 0 < args.port < 65536:
+        return "--port must be in 1..65535"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if (err := _validate(args)) is not None:
+        print(f"adaserve up: {err}", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="adaserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    services = plan(args, log_dir)
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    base = f"http://{shown}:{args.port}"
+    launcher = Launcher(services, f"{base}/ready")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: launcher.stopping.set())
+    mode = "all-in-one" if args.all_in_one else f"{args.verifier_units} unit(s)"
+    print(f"adaserve up ({mode}): starting {len(services)} services, logs in {log_dir}", flush=True)
+    code = 0
+    try:
+        launcher.start_all(args.startup_timeout)
+        grpc_port = services[-1].args[services[-1].args.index("--grpc-port") + 1]
+        print(
+            f"adaserve is up.\n"
+            f"  OpenAI API  {base}/v1\n"
+            f"  gRPC API    {shown}:{grpc_port}\n"
+            f"  metrics     {base}/metrics\n"
+            f"Press Ctrl-C to stop.",
+            flush=True,
+        )
+        code = launcher.watch()
+    except KeyboardInterrupt:
+        code = 0
+    except RuntimeError as exc:
+        print(f"adaserve up: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        print("adaserve up: stopping services", flush=True)
+        launcher.stop_all()
+        print("adaserve up: stopped", flush=True)
+    return code

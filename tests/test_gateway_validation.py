@@ -1,0 +1,217 @@
+"""The gateway process with no healthy serving unit: valid requests get a clean 503,
+invalid ones a 400 with an OpenAI-style body (never a 500), probes and metrics work,
+and the official `openai` client sees the documented errors. API keys too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests._serving import Proc, free_port, wait_http
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port, dead = free_port(), free_port()  # nothing listens on `dead`
+    logs = tmp_path_factory.mktemp("gw")
+    proc = Proc(
+        [
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "-1",
+            "--verifier",
+            f"127.0.0.1:{dead}",
+        ],
+        logs / "gateway.log",
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def test_probes(gateway: str) -> None:
+    assert httpx.get(f"{gateway}/health").json() == {"status": "ok"}
+    r = httpx.get(f"{gateway}/ready")
+    err = _assert_error(r, 503)
+    assert err["code"] == "no_healthy_unit"
+    assert r.json()["units"][0]["healthy"] is False
+    assert httpx.get(f"{gateway}/v1/models").json() == {"object": "list", "data": []}
+
+
+@pytest.mark.parametrize("path,body", [("completions", COMPLETION), ("chat/completions", CHAT)])
+def test_valid_request_without_units_is_503(gateway: str, path: str, body: dict) -> None:
+    r = httpx.post(f"{gateway}/v1/{path}", json=body)
+    err = _assert_error(r, 503)
+    assert err["type"] == "service_unavailable_error"
+    assert "Retry-After" in r.headers
+
+
+BAD = [
+    ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "tpot_slo_ms": -5}, "tpot_slo_ms"),
+    ("completions", {"prompt": "x", "tpot_slo_ms": 0}, "tpot_slo_ms"),
+    ("completions", {"prompt": "x", "tpot_slo_ms": 1e12}, "tpot_slo_ms"),
+    ("completions", {"prompt": "x", "slo_class": "platinum"}, "slo_class"),
+    ("completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "x", "stop": [str(i) for i in range(9)]}, "stop"),
+    ("completions", {"prompt": "x", "request_id": "bad id\nforged"}, "request_id"),
+    ("completions", {"prompt": "x", "timeout": -1}, "timeout"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": "x" * 200_001}, "prompt"),
+    ("completions", {"prompt": "x", "echo": True}, None),
+    ("completions", {"max_tokens": 5}, "prompt"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ("chat/completions", {"messages": "hi"}, "messages"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+    ("chat/completions", {**CHAT, "logprobs": True}, None),
+    ("chat/completions", {**CHAT, "frequency_penalty": 1.0}, None),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD)
+def test_invalid_request_is_400(gateway: str, path: str, body: dict, param: str | None) -> None:
+    r = httpx.post(f"{gateway}/v1/{path}", json={"model": "m", **body})
+    err = _assert_error(r, 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+
+
+@pytest.mark.parametrize(
+    "content,ctype",
+    [
+        (b"{not json", "application/json"),
+        (b"", "application/json"),
+        (b"[1, 2]", "application/json"),
+        (b'"a string"', "application/json"),
+        (json.dumps(COMPLETION).encode(), "text/plain"),
+        (b'{"prompt": "x", "tpot_slo_ms": NaN}', "application/json"),
+        (b'{"prompt": "x", "temperature": Infinity}', "application/json"),
+        (b"\xff\xfe\x00garbage", "application/json"),
+    ],
+)
+def test_malformed_body_is_400(gateway: str, content: bytes, ctype: str) -> None:
+    r = httpx.post(f"{gateway}/v1/completions", content=content, headers={"content-type": ctype})
+    _assert_error(r, 400)
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "0", "nan", "inf", ""])
+def test_bad_slo_header_is_400(gateway: str, value: str) -> None:
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers={"x-slo-tpot-ms": value})
+    _assert_error(r, 400, param="x-slo-tpot-ms")
+
+
+def test_unknown_fields_are_ignored(gateway: str) -> None:
+    # Only routing fails (no unit), so validation accepted the body.
+    r = httpx.post(f"{gateway}/v1/chat/completions", json={**CHAT, "some_future_field": {"x": 1}})
+    _assert_error(r, 503)
+
+
+def test_unknown_route_and_method(gateway: str) -> None:
+    _assert_error(httpx.get(f"{gateway}/v1/nothing"), 404)
+    _assert_error(httpx.get(f"{gateway}/v1/completions"), 405)
+
+
+def test_openai_client_sees_documented_errors(gateway: str) -> None:
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as info:  # 503
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 503
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="m", prompt="hi", max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=3)
+
+
+def test_metrics_count_rejections(gateway: str) -> None:
+    httpx.post(f"{gateway}/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    text = httpx.get(f"{gateway}/metrics").text
+    assert (
+        'adaserve_gateway_requests_total{endpoint="completion",slo_class="",status="400"}' in text
+    )
+    assert "adaserve_gateway_healthy_units 0.0" in text
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    logs = tmp_path_factory.mktemp("gw-keys")
+    keys = logs / "keys.txt"
+    keys.write_text("# team keys\nsk-file-key\n\n")
+    cfg = logs / "cfg.yaml"
+    cfg.write_text(f"gateway:\n  api_keys_file: {keys}\n  metrics_require_auth: true\n")
+    proc = Proc(
+        [
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "-1",
+            "--config",
+            str(cfg),
+        ],
+        logs / "gateway.log",
+        env={"ADASERVE_API_KEYS": "sk-env-1,sk-env-2"},
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def test_api_keys(keyed_gateway: str, tmp_path: Path) -> None:
+    url = f"{keyed_gateway}/v1/chat/completions"
+    err = _assert_error(httpx.post(url, json=CHAT), 401)
+    assert err["code"] == "invalid_api_key"
+    _assert_error(httpx.post(url, json=CHAT, headers={"authorization": "Bearer sk-nope"}), 401)
+    _assert_error(httpx.post(url, json=CHAT, headers={"authorization": "Basic sk-env-1"}), 401)
+    for key in ("sk-file-key", "sk-env-1", "sk-env-2"):
+        # Authenticated: reaches routing, which has no unit.
+        r = httpx.post(url, json=CHAT, headers={"authorization": f"Bearer {key}"})
+        _assert_error(r, 503)
+    # Probes stay open; metrics were configured to require a key.
+    assert httpx.get(f"{keyed_gateway}/health").status_code == 200
+    assert httpx.get(f"{keyed_gateway}/ready").status_code == 503
+    _assert_error(httpx.get(f"{keyed_gateway}/metrics"), 401)
+    ok = httpx.get(f"{keyed_gateway}/metrics", headers={"authorization": "Bearer sk-env-2"})
+    assert ok.status_code == 200
+    client = openai.OpenAI(base_url=f"{keyed_gateway}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
