@@ -129,8 +129,11 @@ def test_every_container_has_probes(docs: list[dict[str, Any]]) -> None:
                 assert "grpc" in p, f"{where}: gRPC services use native grpc probes"
                 port = p["grpc"]["port"]
                 assert port in [cp["containerPort"] for cp in c["ports"]], where
-        http = {c[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")
-                if "httpGet" in c[p]}  # fmt: skip
+        http = {
+            c[p]["httpGet"]["path"]
+            for p in ("readinessProbe", "livenessProbe")
+            if "httpGet" in c[p]
+        }
         if service_of(c) == "gateway":
             assert http == {"/ready", "/health"}, f"{where}: readiness /ready, liveness /health"
 
@@ -498,8 +501,9 @@ def _peer_matches(rule_peers: list[dict[str, Any]] | None, peer: dict[str, Any])
     return False
 
 
-def _port_matches(rule_ports: list[dict[str, Any]] | None, dst: dict[str, Any], port: int,
-                  proto: str) -> bool:  # fmt: skip
+def _port_matches(
+    rule_ports: list[dict[str, Any]] | None, dst: dict[str, Any], port: int, proto: str
+) -> bool:
     if not rule_ports:
         return True
     for rp in rule_ports:
@@ -518,8 +522,9 @@ def _policy_types(policy: dict[str, Any]) -> list[str]:
     return spec.get("policyTypes") or ["Ingress"] + (["Egress"] if "egress" in spec else [])
 
 
-def _allowed(policies: list, src: dict[str, Any], dst: dict[str, Any], port: int,
-             proto: str) -> bool:  # fmt: skip
+def _allowed(
+    policies: list, src: dict[str, Any], dst: dict[str, Any], port: int, proto: str
+) -> bool:
     def governed(peer: dict[str, Any], direction: str) -> list[dict[str, Any]]:
         if peer.get("ns") != NAMESPACE:
             return []  # our policies live in our namespace and select only our pods
