@@ -51,6 +51,36 @@ class RequestProgress:
 
 
 @dataclass(frozen=True)
+class ProgressBatch(Sequence[RequestProgress]):
+    """Many requests' progress as columns, which is how the wire carries it: select()
+    takes it wherever it takes a list of RequestProgress, without building one object
+    per request."""
+
+    ids: Sequence[str]  # [n]
+    tpot_slo_ms: np.ndarray  # float64 [n]
+    elapsed_ms: np.ndarray  # float64 [n]
+    decoded: np.ndarray  # int64 [n]
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        for name in ("tpot_slo_ms", "elapsed_ms", "decoded"):
+            if len(getattr(self, name)) != n:
+                raise SelectionError(
+                    f"requests.{name}: {len(getattr(self, name))} values for {n} ids"
+                )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        return RequestProgress(
+            self.ids[k], float(self.tpot_slo_ms[k]), float(self.elapsed_ms[k]), int(self.decoded[k])
+        )
+
+
+@dataclass(frozen=True)
 class SelectionParams:
     budget: int  # B, every root costs one slot
     depth: int  # d of the candidate trees (A_cap = min(A, d + 1))
@@ -217,15 +247,12 @@ def _check_params(p: SelectionParams) -> None:
 def _progress_arrays(
     requests: Sequence[RequestProgress],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n = len(requests)
-    try:
-        elapsed = np.fromiter((r.elapsed_ms for r in requests), np.float64, n)
-        decoded = np.fromiter((r.decoded for r in requests), np.float64, n)
-        tpot = np.fromiter((r.tpot_slo_ms for r in requests), np.float64, n)
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise SelectionError(
-            f"requests: each needs numeric tpot_slo_ms, elapsed_ms, decoded ({exc})"
-        ) from exc
+    if isinstance(requests, ProgressBatch):
+        elapsed = np.asarray(requests.elapsed_ms, dtype=np.float64)
+        decoded = np.asarray(requests.decoded, dtype=np.float64)
+        tpot = np.asarray(requests.tpot_slo_ms, dtype=np.float64)
+    else:
+        elapsed, decoded, tpot = _columns(requests)
     for name, values, ok in (
         ("tpot_slo_ms", tpot, np.isfinite(tpot) & (tpot > 0)),
         ("elapsed_ms", elapsed, np.isfinite(elapsed) & (elapsed >= 0)),
@@ -238,6 +265,19 @@ def _progress_arrays(
                 f"requests[{k}].{name}: must be {need}, got {float(values[k])!r} "
                 f"(request {requests[k].id!r})"
             )
+    return elapsed, decoded, tpot
+
+
+def _columns(requests: Sequence[RequestProgress]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(requests)
+    try:
+        elapsed = np.fromiter((r.elapsed_ms for r in requests), np.float64, n)
+        decoded = np.fromiter((r.decoded for r in requests), np.float64, n)
+        tpot = np.fromiter((r.tpot_slo_ms for r in requests), np.float64, n)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise SelectionError(
+            f"requests: each needs numeric tpot_slo_ms, elapsed_ms, decoded ({exc})"
+        ) from exc
     return elapsed, decoded, tpot
 
 

@@ -21,10 +21,26 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from adaserve.config import SchedulerSettings
 from adaserve.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from adaserve.scheduler import LocalScheduler
-from adaserve.selection import RequestProgress, SelectionError, SelectionParams, select
+from adaserve.selection import (
+    ProgressBatch,
+    RequestProgress,
+    SelectionError,
+    SelectionParams,
+    select,
+)
 from adaserve.tree import CandidateTree
 from services.common.client import ServiceUnavailable
-from services.common.convert import F32, I32, packed, select_request_to_pb, selection_from_pb
+from services.common.convert import (
+    F32,
+    F64,
+    I32,
+    I64,
+    packed,
+    progress_from_pb,
+    progress_to_pb,
+    select_request_to_pb,
+    selection_from_pb,
+)
 from services.common.options import insecure_channel
 from services.common.server import BackgroundServer
 from services.scheduler.client import GrpcScheduler
@@ -106,6 +122,19 @@ def test_grpc_matches_in_process(client: GrpcScheduler, policy: str, seed: int) 
     assert client.last_timing is not None and client.last_timing.compute_us >= 0
 
 
+def test_progress_columns_select_like_a_list() -> None:
+    # The server hands select() the wire's columns (ProgressBatch), never per-request
+    # objects; both forms must give the same answer and the same errors.
+    requests, trees = random_batch(np.random.default_rng(7), 12)
+    columns = progress_from_pb(progress_to_pb(requests))
+    assert list(columns) == requests and columns[-1] == requests[-1]
+    params = SelectionParams(budget=40, depth=5, t_spec_ms=25.0)
+    assert_same_selection(select(columns, trees, params), select(requests, trees, params))
+    bad = ProgressBatch(["p", "q"], np.array([5.0, -1.0]), np.zeros(2), np.zeros(2, np.int64))
+    with pytest.raises(SelectionError, match=r"requests\[1\].tpot_slo_ms.*'q'"):
+        select(bad, [CandidateTree.root_only(1)] * 2, params)
+
+
 def test_optimal_invalid_travels(client: GrpcScheduler) -> None:
     # One root-only tree cannot reach A(r) = 3: no feasible allocation.
     requests = [RequestProgress("x", 10.0, 20.0, 0)]
@@ -132,12 +161,15 @@ def test_plan_matches_local(client: GrpcScheduler) -> None:
 
 
 def good_request(**changes: object) -> scheduler_pb2.SelectRequest:
-    """Two requests with trees of 3 and 1 nodes, then `changes` applied."""
+    """Two requests with trees of 3 and 1 nodes, then `changes` applied ("trees.x" and
+    "requests.x" name fields of the nested messages)."""
     msg = scheduler_pb2.SelectRequest(
-        progress=[
-            common_pb2.RequestProgress(id="a", tpot_slo_ms=50, elapsed_ms=100, decoded=1),
-            common_pb2.RequestProgress(id="b", tpot_slo_ms=20, elapsed_ms=100, decoded=1),
-        ],
+        requests=common_pb2.RequestProgressBatch(
+            ids=["a", "b"],
+            tpot_slo_ms=packed([50, 20], F64),
+            elapsed_ms=packed([100, 100], F64),
+            decoded=packed([1, 1], I64),
+        ),
         trees=common_pb2.CandidateTreeBatch(
             sizes=packed([3, 1], I32),
             tokens=packed([5, 6, 7, 8], I32),
@@ -149,12 +181,13 @@ def good_request(**changes: object) -> scheduler_pb2.SelectRequest:
         t_spec_ms=10,
     )
     for key, value in changes.items():
-        if key.startswith("trees."):
-            setattr(msg.trees, key[6:], value)
-        elif key.startswith("progress."):
-            setattr(msg.progress[1], key[9:], value)
+        target, _, name = key.rpartition(".")
+        owner = getattr(msg, target) if target else msg
+        if isinstance(value, list):  # repeated fields are replaced in place
+            del getattr(owner, name)[:]
+            getattr(owner, name).extend(value)
         else:
-            setattr(msg, key, value)
+            setattr(owner, name, value)
     return msg
 
 
@@ -166,10 +199,14 @@ BAD = {
     "positive logprob": ({"trees.logprobs": packed([0, 0.5, -0.5, 0], F32)}, "positive"),
     "NaN logprob": ({"trees.logprobs": packed([0, np.nan, -0.5, 0], F32)}, "NaN"),
     "empty tree": ({"trees.sizes": packed([4, 0], I32)}, "empty"),
-    "zero SLO": ({"progress.tpot_slo_ms": 0.0}, "tpot_slo_ms"),
-    "negative SLO": ({"progress.tpot_slo_ms": -5.0}, "tpot_slo_ms"),
-    "NaN SLO": ({"progress.tpot_slo_ms": float("nan")}, "tpot_slo_ms"),
-    "negative elapsed": ({"progress.elapsed_ms": -1.0}, "elapsed_ms"),
+    "zero SLO": ({"requests.tpot_slo_ms": packed([50, 0], F64)}, "requests[1].tpot_slo_ms"),
+    "negative SLO": ({"requests.tpot_slo_ms": packed([-5, 9], F64)}, "requests[0].tpot_slo_ms"),
+    "NaN SLO": ({"requests.tpot_slo_ms": packed([50, np.nan], F64)}, "tpot_slo_ms"),
+    "negative elapsed": ({"requests.elapsed_ms": packed([1, -1], F64)}, "elapsed_ms"),
+    "negative decoded": ({"requests.decoded": packed([-1, 1], I64)}, "decoded"),
+    "progress lengths disagree": ({"requests.decoded": packed([1], I64)}, "requests.decoded"),
+    "ragged progress bytes": ({"requests.elapsed_ms": b"\x00" * 12}, "8-byte"),
+    "fewer ids than values": ({"requests.ids": ["a"]}, "requests"),
     "zero budget": ({"budget": 0}, "budget"),
     "negative budget": ({"budget": -3}, "budget"),
     "budget below roots": ({"budget": 1}, "budget"),
@@ -197,9 +234,10 @@ def test_malformed_select_is_invalid_argument(
     assert needle in info.value.details(), info.value.details()
 
 
-def test_missing_trees_and_progress(stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+@pytest.mark.parametrize("missing", ["trees", "requests"])
+def test_missing_trees_or_requests(stub: scheduler_pb2_grpc.SchedulerStub, missing: str) -> None:
     msg = good_request()
-    msg.ClearField("trees")
+    msg.ClearField(missing)
     with pytest.raises(grpc.RpcError) as info:
         stub.Select(msg, timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

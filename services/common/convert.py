@@ -13,10 +13,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from adaserve.rpc.v1 import common_pb2, scheduler_pb2
-from adaserve.selection import ORDERS, POLICIES, RequestProgress, Selection, SelectionParams
+from adaserve.selection import (
+    ORDERS,
+    POLICIES,
+    ProgressBatch,
+    RequestProgress,
+    Selection,
+    SelectionParams,
+)
 from adaserve.tree import CandidateTree, TreeBatch
 
 I32 = np.dtype("<i4")
+I64 = np.dtype("<i8")
+F64 = np.dtype("<f8")
 F32 = np.dtype("<f4")
 
 _POLICY_TO_PB = {
@@ -73,9 +82,40 @@ def trees_from_pb(msg: common_pb2.CandidateTreeBatch) -> TreeBatch:
 # ---- selection requests ---------------------------------------------------------------
 
 
-def progress_to_pb(r: RequestProgress) -> common_pb2.RequestProgress:
-    return common_pb2.RequestProgress(
-        id=r.id, tpot_slo_ms=r.tpot_slo_ms, elapsed_ms=r.elapsed_ms, decoded=r.decoded
+def progress_to_pb(requests: Sequence[RequestProgress]) -> common_pb2.RequestProgressBatch:
+    if isinstance(requests, ProgressBatch):
+        ids, tpot, elapsed, decoded = (
+            requests.ids,
+            requests.tpot_slo_ms,
+            requests.elapsed_ms,
+            requests.decoded,
+        )
+    else:
+        n = len(requests)
+        try:
+            ids = [r.id for r in requests]
+            tpot = np.fromiter((r.tpot_slo_ms for r in requests), F64, n)
+            elapsed = np.fromiter((r.elapsed_ms for r in requests), F64, n)
+            decoded = np.fromiter((r.decoded for r in requests), I64, n)
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ValueError(
+                f"requests: each needs an id and numeric tpot_slo_ms, elapsed_ms, decoded ({exc})"
+            ) from None
+    return common_pb2.RequestProgressBatch(
+        ids=ids,
+        tpot_slo_ms=packed(tpot, F64),
+        elapsed_ms=packed(elapsed, F64),
+        decoded=packed(decoded, I64),
+    )
+
+
+def progress_from_pb(msg: common_pb2.RequestProgressBatch) -> ProgressBatch:
+    """Views over the message's buffers; the ids stay the message's own container."""
+    return ProgressBatch(
+        msg.ids,
+        unpacked(msg.tpot_slo_ms, F64, "requests.tpot_slo_ms"),
+        unpacked(msg.elapsed_ms, F64, "requests.elapsed_ms"),
+        unpacked(msg.decoded, I64, "requests.decoded"),
     )
 
 
@@ -89,7 +129,7 @@ def select_request_to_pb(
     if params.order not in _ORDER_TO_PB:
         raise ValueError(f"order: {params.order!r} is not one of {', '.join(ORDERS)}")
     return scheduler_pb2.SelectRequest(
-        progress=[progress_to_pb(r) for r in requests],
+        requests=progress_to_pb(requests),
         trees=trees_to_pb(trees),
         budget=params.budget,
         depth=params.depth,
@@ -102,11 +142,10 @@ def select_request_to_pb(
 
 def select_request_from_pb(
     msg: scheduler_pb2.SelectRequest, default_policy: str, default_order: str
-) -> tuple[list[RequestProgress], TreeBatch, SelectionParams]:
+) -> tuple[ProgressBatch, TreeBatch, SelectionParams]:
     """UNSPECIFIED policy/order mean the server's configured defaults."""
     policy = _enum(msg.policy, _POLICY_FROM_PB, default_policy, "policy")
     order = _enum(msg.order, _ORDER_FROM_PB, default_order, "order")
-    requests = [RequestProgress(p.id, p.tpot_slo_ms, p.elapsed_ms, p.decoded) for p in msg.progress]
     params = SelectionParams(
         budget=msg.budget,
         depth=msg.depth,
@@ -115,7 +154,7 @@ def select_request_from_pb(
         n_max=msg.n_max if msg.HasField("n_max") else None,
         order=order,
     )
-    return requests, trees_from_pb(msg.trees), params
+    return progress_from_pb(msg.requests), trees_from_pb(msg.trees), params
 
 
 def _enum(value: int, table: dict[int, str], default: str, field: str) -> str:

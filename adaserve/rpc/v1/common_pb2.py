@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61\x64\x61serve/rpc/v1/common.proto\x12\x0f\x61\x64\x61serve.rpc.v1\"W\n\x0fRequestProgress\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0btpot_slo_ms\x18\x02 \x01(\x01\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\x12\x0f\n\x07\x64\x65\x63oded\x18\x04 \x01(\x03\"V\n\x12\x43\x61ndidateTreeBatch\x12\r\n\x05sizes\x18\x01 \x01(\x0c\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x0f\n\x07parents\x18\x03 \x01(\x0c\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\"\x87\x01\n\tSelection\x12\r\n\x05sizes\x18\x01 \x01(\x0c\x12\x10\n\x08selected\x18\x02 \x01(\x0c\x12\t\n\x01\x61\x18\x03 \x03(\x01\x12\r\n\x05\x61_cap\x18\x04 \x03(\x01\x12\x19\n\x11\x65xpected_accepted\x18\x05 \x03(\x01\x12\x13\n\x0b\x62udget_used\x18\x06 \x01(\x03\x12\x0f\n\x07invalid\x18\x07 \x01(\x08\"H\n\x0cServerTiming\x12\x11\n\tdecode_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x11\n\tencode_us\x18\x03 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61\x64\x61serve/rpc/v1/common.proto\x12\x0f\x61\x64\x61serve.rpc.v1\"]\n\x14RequestProgressBatch\x12\x0b\n\x03ids\x18\x01 \x03(\t\x12\x13\n\x0btpot_slo_ms\x18\x02 \x01(\x0c\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64\x65\x63oded\x18\x04 \x01(\x0c\"V\n\x12\x43\x61ndidateTreeBatch\x12\r\n\x05sizes\x18\x01 \x01(\x0c\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x0f\n\x07parents\x18\x03 \x01(\x0c\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\"\x87\x01\n\tSelection\x12\r\n\x05sizes\x18\x01 \x01(\x0c\x12\x10\n\x08selected\x18\x02 \x01(\x0c\x12\t\n\x01\x61\x18\x03 \x03(\x01\x12\r\n\x05\x61_cap\x18\x04 \x03(\x01\x12\x19\n\x11\x65xpected_accepted\x18\x05 \x03(\x01\x12\x13\n\x0b\x62udget_used\x18\x06 \x01(\x03\x12\x0f\n\x07invalid\x18\x07 \x01(\x08\"H\n\x0cServerTiming\x12\x11\n\tdecode_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x11\n\tencode_us\x18\x03 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaserve.rpc.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTPROGRESS']._serialized_start=49
-  _globals['_REQUESTPROGRESS']._serialized_end=136
-  _globals['_CANDIDATETREEBATCH']._serialized_start=138
-  _globals['_CANDIDATETREEBATCH']._serialized_end=224
-  _globals['_SELECTION']._serialized_start=227
-  _globals['_SELECTION']._serialized_end=362
-  _globals['_SERVERTIMING']._serialized_start=364
-  _globals['_SERVERTIMING']._serialized_end=436
+  _globals['_REQUESTPROGRESSBATCH']._serialized_start=49
+  _globals['_REQUESTPROGRESSBATCH']._serialized_end=142
+  _globals['_CANDIDATETREEBATCH']._serialized_start=144
+  _globals['_CANDIDATETREEBATCH']._serialized_end=230
+  _globals['_SELECTION']._serialized_start=233
+  _globals['_SELECTION']._serialized_end=368
+  _globals['_SERVERTIMING']._serialized_start=370
+  _globals['_SERVERTIMING']._serialized_end=442
 # @@protoc_insertion_point(module_scope)

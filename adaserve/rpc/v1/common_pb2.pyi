@@ -6,17 +6,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class RequestProgress(_message.Message):
-    __slots__ = ("id", "tpot_slo_ms", "elapsed_ms", "decoded")
-    ID_FIELD_NUMBER: _ClassVar[int]
+class RequestProgressBatch(_message.Message):
+    __slots__ = ("ids", "tpot_slo_ms", "elapsed_ms", "decoded")
+    IDS_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     DECODED_FIELD_NUMBER: _ClassVar[int]
-    id: str
-    tpot_slo_ms: float
-    elapsed_ms: float
-    decoded: int
-    def __init__(self, id: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., elapsed_ms: _Optional[float] = ..., decoded: _Optional[int] = ...) -> None: ...
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    tpot_slo_ms: bytes
+    elapsed_ms: bytes
+    decoded: bytes
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., tpot_slo_ms: _Optional[bytes] = ..., elapsed_ms: _Optional[bytes] = ..., decoded: _Optional[bytes] = ...) -> None: ...
 
 class CandidateTreeBatch(_message.Message):
     __slots__ = ("sizes", "tokens", "parents", "logprobs")

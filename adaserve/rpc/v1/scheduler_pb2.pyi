@@ -1,9 +1,8 @@
 from adaserve.rpc.v1 import common_pb2 as _common_pb2
-from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -31,8 +30,8 @@ REQUEST_ORDER_DESCENDING_A: RequestOrder
 REQUEST_ORDER_ASCENDING_A: RequestOrder
 
 class SelectRequest(_message.Message):
-    __slots__ = ("progress", "trees", "budget", "depth", "t_spec_ms", "policy", "n_max", "order")
-    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("requests", "trees", "budget", "depth", "t_spec_ms", "policy", "n_max", "order")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +39,7 @@ class SelectRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     N_MAX_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
-    progress: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestProgress]
+    requests: _common_pb2.RequestProgressBatch
     trees: _common_pb2.CandidateTreeBatch
     budget: int
     depth: int
@@ -48,7 +47,7 @@ class SelectRequest(_message.Message):
     policy: SelectionPolicy
     n_max: int
     order: RequestOrder
-    def __init__(self, progress: _Optional[_Iterable[_Union[_common_pb2.RequestProgress, _Mapping]]] = ..., trees: _Optional[_Union[_common_pb2.CandidateTreeBatch, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., t_spec_ms: _Optional[float] = ..., policy: _Optional[_Union[SelectionPolicy, str]] = ..., n_max: _Optional[int] = ..., order: _Optional[_Union[RequestOrder, str]] = ...) -> None: ...
+    def __init__(self, requests: _Optional[_Union[_common_pb2.RequestProgressBatch, _Mapping]] = ..., trees: _Optional[_Union[_common_pb2.CandidateTreeBatch, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., t_spec_ms: _Optional[float] = ..., policy: _Optional[_Union[SelectionPolicy, str]] = ..., n_max: _Optional[int] = ..., order: _Optional[_Union[RequestOrder, str]] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
     __slots__ = ("selection", "timing")
