@@ -163,6 +163,7 @@ def main() -> int:
     print_table(rows, args)
     meta = {k: v for k, v in vars(args).items() if k not in ("out",)}
     meta["cpus"] = os.cpu_count()
+    meta["loadavg_1m_after"] = os.getloadavg()[0]  # the machine is shared: context for noise
     (args.out / "results.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
     plot(rows, args.out / "select_latency.png", args)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'select_latency.png'}")
@@ -170,7 +171,10 @@ def main() -> int:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print(f"\nSelect latency, d={args.depth} w={args.width}, policy={args.policy} (ms)")
+    print(
+        f"\nSelect latency, d={args.depth} w={args.width}, policy={args.policy} (ms); "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     head = "|    n |     B | nodes | in-proc p50 | in-proc p99 | gRPC p50 | gRPC p99 | server p50 |"
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
@@ -209,7 +213,8 @@ def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
         ax.set_title("in-process select" if kind == "local" else "gRPC Select on loopback")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("latency (ms)")
-    axes[1].legend(fontsize=7, ncol=2)
+    for ax in axes:
+        ax.legend(fontsize=7, ncol=2)
     fig.suptitle(f"adaserve selection, d={args.depth} w={args.width}, policy={args.policy}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
