@@ -28,3 +28,20 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
         return 1.0
     # P(chi2_df > stat) = Q(df / 2, stat / 2), the regularized upper incomplete gamma.
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+def single_thread():
+    """Context for loops of tiny torch ops: on a shared, oversubscribed CPU an intra-op
+    thread pool turns a microsecond softmax into milliseconds of barrier waiting."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return ctx()
