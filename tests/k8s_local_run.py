@@ -9,9 +9,12 @@ cluster would run is what the test runs; only addresses and paths are translated
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -108,6 +111,61 @@ def config_yaml(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------
+# Dockerfiles (the image half of what a container runs)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    stage: int  # index of the FROM it belongs to
+    keyword: str
+    args: str
+    line: int
+
+
+def parse_dockerfile(path: Path) -> list[Instruction]:
+    """Instructions with line continuations joined and comments dropped."""
+    out: list[Instruction] = []
+    stage = -1
+    pending, start = "", 0
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # comment lines inside a continued instruction
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        text = pending + line
+        pending = ""
+        keyword, _, args = text.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            stage += 1
+        out.append(Instruction(stage, keyword, args.strip(), start))
+    assert not pending, f"{path}: dangling line continuation"
+    return out
+
+
+def final_stage(instrs: list[Instruction]) -> list[Instruction]:
+    last = max(i.stage for i in instrs)
+    return [i for i in instrs if i.stage == last]
+
+
+def image_env(dockerfile: Path) -> dict[str, str]:
+    """The ENV the final stage sets (as the container starts with it), $VARs unexpanded."""
+    env: dict[str, str] = {}
+    for i in final_stage(parse_dockerfile(dockerfile)):
+        if i.keyword == "ENV":
+            for word in shlex.split(i.args):
+                key, _, value = word.partition("=")
+                env[key] = value
+    return env
+
+
+# ---------------------------------------------------------------------------------------
 # Running a rendered deployment as local processes
 
 
@@ -127,6 +185,8 @@ class LocalContainer:
     env: dict[str, str]
     ports: dict[int, int]  # container port -> local port
     memory_limit_bytes: int | None
+    spec: dict[str, Any] = field(default_factory=dict)  # the rendered container
+    grace_s: float = 30.0  # the pod's terminationGracePeriodSeconds
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     peak_rss_bytes: int = 0
@@ -147,12 +207,16 @@ class LocalDeployment:
     - every containerPort gets a free local port, in the process's own flags and in any
       other container's `<service-dns-name>:<port>` or `127.0.0.1:<port>` argument
       (Service names resolve to the local port of the container behind the Service);
-    - mounted ConfigMaps are written to a temporary directory and env paths that point
-      into their mount paths are redirected there; emptyDirs become temporary dirs.
+    - the environment is the image's ENV plus the container's env; paths in it that
+      point into volume mounts or into `image_paths` (the image's own directories, e.g.
+      its model cache and HOME) are redirected to local directories: mounted ConfigMaps
+      are written out, emptyDirs become empty directories.
     """
 
     docs: list[dict[str, Any]]
     workdir: Path
+    image_env: dict[str, str] = field(default_factory=dict)
+    image_paths: dict[str, Path] = field(default_factory=dict)  # image dir -> local dir
     extra_env: dict[str, str] = field(default_factory=dict)
     containers: list[LocalContainer] = field(default_factory=list)
 
@@ -193,6 +257,8 @@ class LocalDeployment:
                         memory_limit_bytes=parse_quantity(
                             c.get("resources", {}).get("limits", {}).get("memory")
                         ),
+                        spec=c,
+                        grace_s=float(pod_spec(wl).get("terminationGracePeriodSeconds", 30)),
                     )
                 )
 
@@ -253,17 +319,29 @@ class LocalDeployment:
         return mounts
 
     def _env(self, c: dict[str, Any], mounts: dict[str, Path]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ADASERVE_")}
+        """Host basics, then the image's ENV, then the container's env, with every
+        container path translated to its local stand-in."""
+        paths = {**self.image_paths, **mounts}  # volume mounts shadow image directories
+
+        def local(value: str) -> str:
+            for prefix in sorted(paths, key=len, reverse=True):
+                root = prefix.rstrip("/")
+                if value == root or value.startswith(root + "/"):
+                    return str(paths[prefix]) + value[len(root) :]
+            return value
+
+        keep = ("PATH", "LANG", "LC_ALL", "SYSTEMROOT")
+        env = {k: v for k, v in os.environ.items() if k in keep}
+        for key, value in self.image_env.items():
+            if key not in ("PATH", "VIRTUAL_ENV"):  # the venv is this interpreter's
+                env[key] = local(value)
         for item in c.get("env", []):
             if "value" in item:
-                value = item["value"]
-                for mount_path, local in mounts.items():
-                    if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-                        value = str(local) + value[len(mount_path.rstrip("/")) :]
-                env[item["name"]] = value
-            # valueFrom (optional Secrets) is left unset, as in a cluster without them.
+                env[item["name"]] = local(item["value"])
+            # valueFrom (optional Secrets) stays unset, as in a cluster without them.
+        if "/tmp" in mounts:
+            env["TMPDIR"] = str(mounts["/tmp"])  # the container's /tmp is an emptyDir
         env.update(self.extra_env)
-        env["PYTHONUNBUFFERED"] = "1"
         return env
 
     # -- running --------------------------------------------------------------------
@@ -297,19 +375,28 @@ class LocalDeployment:
     def dead(self) -> list[LocalContainer]:
         return [c for c in self.containers if c.proc is not None and c.proc.poll() is not None]
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self) -> dict[str, tuple[int | None, float, bool]]:
+        """SIGTERM every process, as the kubelet does, then SIGKILL whatever outlives its
+        pod's grace period. Returns name -> (exit code, seconds to exit, was killed)."""
+        t0 = time.monotonic()
         for c in self.containers:
             if c.proc is not None and c.proc.poll() is None:
-                c.proc.terminate()  # SIGTERM, as the kubelet sends
-        deadline = time.monotonic() + timeout
+                c.proc.terminate()
+        out: dict[str, tuple[int | None, float, bool]] = {}
         for c in self.containers:
             if c.proc is None:
                 continue
+            killed = False
             try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                c.proc.wait(timeout=max(0.1, c.grace_s - (time.monotonic() - t0)))
             except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(timeout=10)
+                killed = True
+            took = time.monotonic() - t0
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, signal.SIGKILL)  # and any children (TP ranks)
+            c.proc.wait(timeout=10)
+            out[f"{c.workload}/{c.name}"] = (c.proc.returncode, took, killed)
+        return out
 
 
 def resolve_target_port(wl: dict[str, Any], svc_port: dict[str, Any]) -> int | None:
@@ -351,12 +438,13 @@ def parse_cpu(q: str | int | float) -> float:
 
 
 def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of a process and its descendants (a container's processes)."""
+    """Peak resident memory of a process and its live descendants, summed: an upper
+    bound of what the container's cgroup saw."""
     total = 0
     for p in [pid, *_descendants(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith("VmHWM:"):  # peak resident set size
                     total += int(line.split()[1]) * 1024
         except OSError:
             continue

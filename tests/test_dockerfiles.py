@@ -17,7 +17,6 @@ import threading
 import zipfile
 from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -35,45 +34,7 @@ sys.path.insert(0, str(DOCKER))
 import freeze_constraints  # noqa: E402
 import healthcheck  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Instruction:
-    stage: int  # index of the FROM it belongs to
-    keyword: str
-    args: str
-    line: int
-
-
-def parse_dockerfile(path: Path) -> list[Instruction]:
-    """Instructions with line continuations joined and comments dropped."""
-    out: list[Instruction] = []
-    stage = -1
-    pending, start = "", 0
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if pending and line.startswith("#"):
-            continue  # comment lines inside a continued instruction
-        if not pending:
-            start = number
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        text = pending + line
-        pending = ""
-        keyword, _, args = text.partition(" ")
-        keyword = keyword.upper()
-        if keyword == "FROM":
-            stage += 1
-        out.append(Instruction(stage, keyword, args.strip(), start))
-    assert not pending, f"{path}: dangling line continuation"
-    return out
-
-
-def final_stage(instrs: list[Instruction]) -> list[Instruction]:
-    last = max(i.stage for i in instrs)
-    return [i for i in instrs if i.stage == last]
+from tests.k8s_local_run import Instruction, final_stage, parse_dockerfile  # noqa: E402
 
 
 def arg_defaults(instrs: list[Instruction]) -> dict[str, str]:
