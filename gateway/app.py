@@ -28,7 +28,7 @@ from gateway.auth import ApiKeys
 from gateway.core import Gateway, Generation
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from gateway.responses import DONE_FRAME, Formatter, sse
 from gateway.router import Router
 
@@ -74,8 +74,16 @@ def create_app(
         dependencies=[Depends(authorize)],
     )
     _install_error_handlers(app)
+    _openapi_without_422(app)
 
-    @app.post("/v1/completions")
+    errors: dict[int | str, dict[str, Any]] = {
+        400: {"model": ErrorBody, "description": "invalid request"},
+        401: {"model": ErrorBody, "description": "missing or wrong API key"},
+        429: {"model": ErrorBody, "description": "engine full; see Retry-After"},
+        503: {"model": ErrorBody, "description": "no healthy serving unit"},
+    }
+
+    @app.post("/v1/completions", responses=errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
         spec = _build(
@@ -85,7 +93,7 @@ def create_app(
         )
         return await _serve(request, gw, spec, body.stream, body.include_usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
         spec = _build(
@@ -116,7 +124,7 @@ def create_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"model": ErrorBody, "description": "no unit"}})
     async def ready(request: Request) -> JSONResponse:
         router: Router = request.app.state.gateway.router
         units = [
@@ -178,6 +186,8 @@ async def _events(gen: Generation, fmt: Formatter) -> AsyncIterator[str]:
         async for chunk in gen.chunks():
             completion_tokens = chunk.num_generated
             if (frame := fmt.chunk(chunk)) is not None:
+                if chunk.finish_reason is not None:
+                    frame["slo"] = gen.slo_summary()
                 yield sse(frame)
     except APIError as err:
         # Headers are gone already: the error travels as a frame (the openai client
@@ -196,7 +206,9 @@ async def _collect(gen: Generation, fmt: Formatter) -> dict[str, Any]:
     async for chunk in gen.chunks():
         parts.append(chunk.text)
         completion_tokens, reason = chunk.num_generated, chunk.finish_reason
-    return fmt.full("".join(parts), reason, gen.header.num_prompt_tokens, completion_tokens)
+    body = fmt.full("".join(parts), reason, gen.header.num_prompt_tokens, completion_tokens)
+    body["slo"] = gen.slo_summary()
+    return body
 
 
 async def _until_disconnect(request: Request, coro: Any) -> Any:
@@ -242,6 +254,23 @@ class _SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self._gen.aclose()
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """Validation errors are answered 400 (as OpenAI does), never FastAPI's 422: keep
+    the published schema truthful."""
+    default = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _install_error_handlers(app: FastAPI) -> None:

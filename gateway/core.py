@@ -43,7 +43,6 @@ class Header:
     num_prompt_tokens: int
     tpot_slo_ms: float
     slo_class: str
-    best_effort: bool
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,9 @@ class Gateway:
             gen.status = err.status
             await gen.aclose()
             raise
+        except BaseException:  # cancelled while waiting for admission: client gone
+            await gen.aclose()
+            raise
 
 
 class _Retry(Exception):
@@ -103,6 +105,7 @@ class Generation:
         self.header: Header | None = None
         self.status: int | None = None  # HTTP status once known
         self.finish_reason: str | None = None
+        self.best_effort = False
         self.unit: Unit | None = None  # the unit serving (or last tried)
         self._leased: Unit | None = None  # counted in its outstanding requests
         self._call: grpc.aio.UnaryStreamCall | None = None
@@ -131,7 +134,6 @@ class Generation:
             num_prompt_tokens=first.num_prompt_tokens,
             tpot_slo_ms=first.tpot_slo_ms,
             slo_class=first.slo_class or spec.metrics_class,
-            best_effort=first.best_effort,
         )
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -154,6 +156,8 @@ class Generation:
                 self.status = 500
                 raise APIError(500, f"generation failed: {msg.error or 'engine error'}")
             self.times.on_tokens(time.monotonic(), len(msg.token_ids))
+            # Judged at admission, after prefill: known from the first token chunk on.
+            self.best_effort |= msg.best_effort
             if self.gw.settings.log_prompts:
                 self._text.append(msg.text)
             yield Chunk(
@@ -163,6 +167,16 @@ class Generation:
                 self.finish_reason = reason
                 self.status = 200
                 return
+
+    def slo_summary(self) -> dict[str, object]:
+        """adaserve's extra response field: the SLO the request ran under and whether
+        it was served best-effort (OpenAI clients ignore unknown fields)."""
+        h = self.header
+        return {
+            "tpot_slo_ms": h.tpot_slo_ms if h else None,
+            "slo_class": h.slo_class if h else None,
+            "best_effort": self.best_effort,
+        }
 
     async def aclose(self) -> None:
         if self._closed:
@@ -179,7 +193,7 @@ class Generation:
         self.gw.metrics.requests.labels(self.spec.kind, str(status), slo_class).inc()
         if h is not None and self.finish_reason in ("stop", "length"):
             self.gw.metrics.finished(
-                slo_class, h.tpot_slo_ms, self.times, now, h.num_prompt_tokens, h.best_effort
+                slo_class, h.tpot_slo_ms, self.times, now, h.num_prompt_tokens, self.best_effort
             )
         self._log(status, now)
 

@@ -104,7 +104,7 @@ class GatewayServicer(ggrpc.GatewayServicer):
                     model=h.model,
                     token_ids=c.token_ids,
                     text=c.text,
-                    best_effort=h.best_effort,
+                    best_effort=gen.best_effort,
                     tpot_slo_ms=h.tpot_slo_ms,
                 )
                 if c.finish_reason is not None:

@@ -160,3 +160,16 @@ class ChatCompletionRequest(_Common):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error the gateway returns, as the OpenAI API shapes it."""
+
+    error: ErrorDetail
