@@ -1,0 +1,142 @@
+"""The modelled drafter: beam-shaped candidate trees with synthetic probabilities.
+
+Implements the engine's `Drafter` interface. Each call runs a real beam search, over
+synthetic top-k distributions from the acceptance model instead of a small model's
+logits, and advances the virtual clock by the profile's draft-step latency: the first
+forward takes every newly committed token (the root included, a whole prompt for a new
+request), each further layer one token per beam (n * w).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from adaserve.sim.acceptance import DraftSampler
+from adaserve.sim.clock import VirtualClock
+from adaserve.sim.costmodel import HardwareProfile
+from adaserve.speculate import DrafterStateLost, DraftUpdate
+from adaserve.tree import CandidateTree
+
+
+class SimDrafter:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        clock: VirtualClock,
+        sampler_for: Callable[[str], DraftSampler],
+        rng: np.random.Generator,
+        expansion: tuple[int, ...] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.clock = clock
+        self.sampler_for = sampler_for  # request id -> its class's draft distribution
+        self.rng = rng
+        self.expansion = expansion  # static tree shape (SpecInfer); None -> beam trees
+        self._len: dict[str, int] = {}  # committed tokens this drafter holds per request
+        self._last: dict[str, int] = {}
+        self.draft_ms_total = 0.0
+
+    def speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int
+    ) -> list[CandidateTree]:
+        lost = [
+            u.id
+            for u in updates
+            if self._len.get(u.id, 0) + len(u.new_tokens) != u.total_len or u.total_len == 0
+        ]
+        if lost:
+            raise DrafterStateLost(lost)
+        new_tokens = 0
+        for u in updates:
+            self._len[u.id] = u.total_len
+            if len(u.new_tokens):
+                self._last[u.id] = int(u.new_tokens[-1])
+            new_tokens += len(u.new_tokens)
+        n = len(updates)
+        if n == 0 or depth < 1:
+            return [CandidateTree.root_only(self._last[u.id]) for u in updates]
+        if self.expansion is not None:
+            layers = self._static_layers(updates, depth)
+        else:
+            layers = self._beam_layers(updates, depth, max(1, width))
+        # Forward 1 reads the new tokens; forward l >= 2 reads layer l - 1.
+        ms = self.profile.draft_ms(new_tokens)
+        ms += sum(self.profile.draft_ms(n * q.shape[1]) for _, q in layers[:-1])
+        self.clock.advance_ms(ms)
+        self.draft_ms_total += ms
+        return self._trees(updates, layers)
+
+    def release(self, ids: list[str]) -> None:
+        for i in ids:
+            self._len.pop(i, None)
+            self._last.pop(i, None)
+
+    # ---- tree shapes ------------------------------------------------------------------
+
+    def _children(self, updates: list[DraftUpdate], per_row: int, k: int) -> np.ndarray:
+        """float64 [n, per_row, k]: top-k conditional probabilities at per_row nodes of
+        each request, drawn from that request's class distribution."""
+        n = len(updates)
+        out = np.empty((n, per_row, k))
+        groups: dict[int, tuple[DraftSampler, list[int]]] = {}
+        for i, u in enumerate(updates):
+            s = self.sampler_for(u.id)
+            groups.setdefault(id(s), (s, []))[1].append(i)
+        for sampler, rows in groups.values():
+            out[rows] = sampler(len(rows) * per_row, k, self.rng).reshape(len(rows), per_row, k)
+        return out
+
+    def _beam_layers(self, updates, depth: int, w: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer (parent index within the previous layer [n, w], q [n, w]).
+
+        Layer 1 is the root's top-w; each later layer keeps the w best of the w * w
+        expansions of the previous beams by path probability, as beam search does."""
+        n = len(updates)
+        # One draw for every node that gets expanded: the root, then w beams per layer.
+        q_all = self._children(updates, 1 + (depth - 1) * w, w)
+        q1 = q_all[:, 0, :]
+        layers = [(np.zeros((n, w), dtype=np.int64), q1)]
+        path = np.log(q1)
+        for layer in range(1, depth):
+            q = q_all[:, 1 + (layer - 1) * w : 1 + layer * w, :].reshape(n, w * w)
+            cand = path.repeat(w, axis=1) + np.log(q)
+            top = np.argsort(-cand, axis=1, kind="stable")[:, :w]
+            layers.append((top // w, np.take_along_axis(q, top, axis=1)))
+            path = np.take_along_axis(cand, top, axis=1)
+        return layers
+
+    def _static_layers(self, updates, depth: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every node of layer l - 1 gets its top expansion[l - 1] tokens as children."""
+        n = len(updates)
+        expansion = self.expansion[:depth]
+        widths = np.cumprod((1, *expansion[:-1]))  # nodes expanded at each layer
+        # Each node's top-e of its top-k_max is its top-e: one draw serves every layer.
+        q_all = self._children(updates, int(widths.sum()), max(expansion))
+        layers, start = [], 0
+        for e, width in zip(expansion, widths, strict=True):
+            q = q_all[:, start : start + width, :e].reshape(n, width * e)
+            parents = np.repeat(np.arange(width), e)[None, :].repeat(n, axis=0)
+            layers.append((parents, q))
+            start += width
+        return layers
+
+    def _trees(self, updates, layers) -> list[CandidateTree]:
+        n = len(updates)
+        sizes = [q.shape[1] for _, q in layers]
+        total = 1 + sum(sizes)
+        parents = np.empty((n, total), dtype=np.int32)
+        logq = np.zeros((n, total), dtype=np.float32)
+        parents[:, 0] = -1
+        start, prev_start = 1, 0
+        for (par, q), size in zip(layers, sizes, strict=True):
+            parents[:, start : start + size] = prev_start + par
+            logq[:, start : start + size] = np.log(q)
+            prev_start, start = start, start + size
+        tokens = self.rng.integers(1, self.profile.vocab_size, size=(n, total), dtype=np.int32)
+        for i, u in enumerate(updates):
+            tokens[i, 0] = self._last[u.id]
+        return [
+            CandidateTree.build(tokens[i], parents[i], logq[i], validate=False) for i in range(n)
+        ]

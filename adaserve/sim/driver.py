@@ -1,0 +1,232 @@
+"""The discrete-event driver: real engines on virtual clocks, fed by a workload trace.
+
+Each serving unit is an unmodified `Engine` with a `LocalScheduler` (the real selection
+code), a `SimDrafter` and a `SimTarget` sharing the unit's `VirtualClock`. Events are
+processed in time order: the next arrival (routed to the least-loaded unit) or the next
+iteration of the busy unit that is furthest behind. An idle unit's clock jumps to the
+arrival that wakes it; a busy unit takes a new request when its current iteration ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from adaserve.config import Settings
+from adaserve.engine import Engine, EngineFull, RequestStream
+from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.scheduler import LocalScheduler
+from adaserve.sim.acceptance import BetaDraft, build_acceptance
+from adaserve.sim.clock import VirtualClock
+from adaserve.sim.costmodel import HardwareProfile, load_profile
+from adaserve.sim.drafter import SimDrafter
+from adaserve.sim.policies import PolicySpec, policy_spec
+from adaserve.sim.summary import RequestRecord, summarize
+from adaserve.sim.target import SimTarget
+from adaserve.sim.workload import SimRequest, Workload
+
+# Defaults the simulator applies under the workload's own settings: a queue no trace
+# overflows (overload shows up as SLO violations, not as rejections).
+SIM_DEFAULTS: dict[str, Any] = {"engine": {"max_queue": 10_000_000}}
+
+
+@dataclass
+class Unit:
+    index: int
+    clock: VirtualClock
+    engine: Engine
+    target: SimTarget
+    drafter: SimDrafter | None
+    # request id -> (stream, record, the unit's clock when the engine took it)
+    active: dict[str, tuple[RequestStream, RequestRecord, float]] = field(default_factory=dict)
+
+
+@dataclass
+class SimResult:
+    summary: dict[str, Any]
+    records: list[RequestRecord]
+    units: list[Unit]
+    settings: Settings
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def workload_profile(workload: Workload) -> HardwareProfile:
+    local = workload.resolve(workload.profile)
+    return load_profile(local if local is not None and local.is_file() else workload.profile)
+
+
+def engine_settings(workload: Workload, profile: HardwareProfile, spec: PolicySpec) -> Settings:
+    base: dict[str, Any] = {
+        "scheduler": {"budget": profile.budget},
+        "slo": {"baseline_tpot_ms": profile.baseline_ms()},
+    }
+    merged = _merge(_merge(_merge(base, SIM_DEFAULTS), workload.settings),
+                         spec.overrides)
+    return Settings(**merged)
+
+
+def simulate(
+    workload: Workload,
+    policy: str,
+    rps: float | None = None,
+    duration_s: float | None = None,
+    seed: int | None = None,
+    k: int | None = None,
+) -> SimResult:
+    profile = workload_profile(workload)
+    seed = workload.seed if seed is None else seed
+    rps = workload.rps if rps is None else rps
+    duration_s = workload.duration_s if duration_s is None else duration_s
+    max_running = Settings(**_merge(SIM_DEFAULTS, workload.settings)).engine.max_running
+    spec = policy_spec(policy, max_running, k)
+    settings = engine_settings(workload, profile, spec)
+    requests = workload.generate(rps, duration_s, seed, profile.baseline_ms())
+
+    calibration, replay_draft = build_acceptance(workload.acceptance, workload.base_dir)
+    samplers = {n: replay_draft or BetaDraft(c.draft) for n, c in workload.classes.items()}
+    class_of: dict[str, str] = {r.id: r.slo_class for r in requests}
+
+    def sampler_for(request_id: str):
+        return samplers[class_of[request_id]]
+
+    seeds = np.random.SeedSequence(seed).spawn(2 * workload.units)
+    units = []
+    for u in range(workload.units):
+        clock = VirtualClock()
+        target = SimTarget(profile, clock, calibration, np.random.default_rng(seeds[2 * u]))
+        drafter = None
+        if spec.speculative:
+            drafter = SimDrafter(profile, clock, sampler_for,
+                                 np.random.default_rng(seeds[2 * u + 1]), spec.expansion)
+        engine = Engine(target, drafter, LocalScheduler(settings.scheduler), settings,
+                        clock=clock, model_name=profile.name)
+        units.append(Unit(u, clock, engine, target, drafter))
+
+    wall0 = time.perf_counter()
+    records = _run(units, requests, spec)
+    wall = time.perf_counter() - wall0
+    summary = summarize(records, policy if k is None else f"spec-{k}", rps,
+                        **_extras(units, settings, profile, duration_s, seed, wall, workload))
+    return SimResult(summary, records, units, settings)
+
+
+def _run(units: list[Unit], requests: list[SimRequest], spec: PolicySpec) -> list[RequestRecord]:
+    pending = deque(requests)
+    records: list[RequestRecord] = []
+    stalled = 0
+    while True:
+        busy = [u for u in units if u.engine.has_work()]
+        t_unit = min((u.clock.now for u in busy), default=math.inf)
+        t_arr = pending[0].arrival_s if pending else math.inf
+        if t_arr == math.inf and t_unit == math.inf:
+            break
+        if t_arr <= t_unit:
+            records.append(_submit(units, pending.popleft(), spec))
+            continue
+        unit = min(busy, key=lambda u: (u.clock.now, u.index))
+        before = unit.clock.now
+        unit.engine.step()
+        _drain(unit)
+        # Every step either admits, retires or advances time; guard against a bug
+        # turning the simulation into a busy loop.
+        stalled = stalled + 1 if unit.clock.now == before else 0
+        if stalled > 10_000:
+            raise RuntimeError("simulation made no progress in 10000 engine steps")
+    return records
+
+
+def _submit(units: list[Unit], req: SimRequest, spec: PolicySpec) -> RequestRecord:
+    unit = min(units, key=lambda u: (u.engine.stats().tracked, u.index))
+    if not unit.engine.has_work():
+        unit.clock.advance_to(req.arrival_s)
+    rec = RequestRecord(
+        id=req.id,
+        slo_class=req.slo_class,
+        tpot_slo_ms=req.tpot_slo_ms,
+        arrival_s=req.arrival_s,
+        prompt_tokens=req.prompt_tokens,
+        max_tokens=req.output_tokens,
+        unit=unit.index,
+    )
+    greq = GenerationRequest(
+        id=req.id,
+        prompt_token_ids=(1,) * req.prompt_tokens,
+        sampling=SamplingParams(max_tokens=req.output_tokens, ignore_eos=True),
+        tpot_slo_ms=req.tpot_slo_ms,
+        slo_class=req.slo_class,
+        priority=round(req.tpot_slo_ms * 1000) if spec.priority_by_slo else 0,
+    )
+    try:
+        stream = unit.engine.submit(greq)
+    except (EngineFull, ValueError) as exc:
+        rec.finish_reason, rec.error, rec.finish_s = "rejected", str(exc), unit.clock.now
+        return rec
+    unit.active[req.id] = (stream, rec, unit.clock.now)
+    return rec
+
+
+def _drain(unit: Unit) -> None:
+    """Collect this step's deltas. The engine stamps decode tokens at the end of the
+    step (after verification, nothing else advances the clock) and the first token at
+    the end of prefill, which its ttft_ms gives exactly."""
+    now = unit.clock.now
+    done = []
+    for rid, (stream, rec, submit_s) in unit.active.items():
+        while (delta := stream.get(timeout=0)) is not None:
+            if delta.token_ids:
+                t = now
+                if delta.ttft_ms is not None:
+                    t = submit_s + delta.ttft_ms / 1000.0
+                    rec.first_token_s = t
+                rec.last_token_s = t
+                rec.num_tokens = delta.num_generated
+            if delta.best_effort:
+                rec.best_effort = True
+            if delta.finish_reason is not None:
+                rec.finish_reason = delta.finish_reason
+                rec.finish_s = now
+                rec.error = delta.error
+                done.append(rid)
+                break
+    for rid in done:
+        del unit.active[rid]
+
+
+def _extras(units, settings, profile, duration_s, seed, wall_s, workload) -> dict[str, Any]:
+    st = [u.target.stats for u in units]
+    steps = sum(s.request_steps for s in st)
+    iters = sum(s.iterations for s in st)
+    batches = [b for s in st for b in s.batches]
+    return {
+        "mean_accepted": sum(s.emitted for s in st) / steps if steps else None,
+        "mean_accepted_drafts": sum(s.accepted_drafts for s in st) / steps if steps else None,
+        "draft_acceptance_rate": (
+            sum(s.accepted_drafts for s in st) / max(1, sum(s.drafted_verified for s in st))
+        ),
+        "iterations": iters,
+        "mean_batch": float(np.mean([b[0] for b in batches])) if batches else 0.0,
+        "mean_tree_tokens": float(np.mean([b[1] for b in batches])) if batches else 0.0,
+        "max_tree_tokens": max((b[1] for b in batches), default=0),
+        "budget": settings.scheduler.budget,
+        "verify_ms_total": sum(s.verify_ms for s in st),
+        "prefill_ms_total": sum(s.prefill_ms for s in st),
+        "draft_ms_total": sum(u.drafter.draft_ms_total for u in units if u.drafter),
+        "baseline_tpot_ms": profile.baseline_ms(),
+        "profile": profile.name,
+        "workload": workload.name,
+        "units": len(units),
+        "duration_s": duration_s,
+        "seed": seed,
+        "sim_wall_s": wall_s,
+    }

@@ -1,0 +1,174 @@
+"""The modelled target: verification latency from the profile, acceptance from the model.
+
+Implements the engine's `TargetModel` interface. `verify` advances the virtual clock by
+the profile's verify latency for the batch's tree tokens and cached context, then walks
+every tree: at an accepted node the target picks child c with probability g(q_c) (the
+calibration; siblings exclusive) or none of them, so a node is accepted with
+probability prod g(q) along its path (= f(v) when g(q) = q). The bonus token is a
+synthetic id. All trees are walked at once, one vectorized pass per depth level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaserve.request import SamplingParams
+from adaserve.sim.acceptance import Calibration
+from adaserve.sim.clock import VirtualClock
+from adaserve.sim.costmodel import HardwareProfile
+from adaserve.target import VerifyItem
+from adaserve.verify import VerifyResult
+
+
+@dataclass
+class TargetStats:
+    """What the modelled verifier saw, for the summary and the tests."""
+
+    iterations: int = 0
+    request_steps: int = 0  # (request, iteration) pairs verified
+    emitted: int = 0  # tokens emitted by verification (accepted drafts + bonus)
+    drafted_verified: int = 0  # non-root nodes sent to verification
+    accepted_drafts: int = 0
+    verify_ms: float = 0.0
+    prefill_ms: float = 0.0
+    prefill_tokens: int = 0
+    # per iteration: (batch size, tree tokens verified)
+    batches: list[tuple[int, int]] = field(default_factory=list)
+
+
+class SimTarget:
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        clock: VirtualClock,
+        calibration: Calibration,
+        rng: np.random.Generator,
+    ) -> None:
+        self.profile = profile
+        self.clock = clock
+        self.calibration = calibration
+        self.rng = rng
+        self.vocab_size = profile.vocab_size
+        self.max_model_len = profile.max_model_len
+        self._ctx: dict[str, int] = {}  # committed tokens per sequence
+        self._ctx_total = 0
+        self.stats = TargetStats()
+
+    # ---- TargetModel ------------------------------------------------------------------
+
+    def prefill(
+        self, items: Sequence[tuple[str, Sequence[int], SamplingParams, object]]
+    ) -> list[int]:
+        tokens = 0
+        for seq_id, prompt, *_ in items:
+            self._ctx[seq_id] = len(prompt)
+            self._ctx_total += len(prompt)
+            tokens += len(prompt)
+        ms = self.profile.prefill_ms(tokens)
+        self.clock.advance_ms(ms)
+        self.stats.prefill_ms += ms
+        self.stats.prefill_tokens += tokens
+        return self.rng.integers(1, self.vocab_size, size=len(items)).tolist()
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
+        if not items:
+            return []
+        trees = [it.tree for it in items]
+        sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
+        tree_tokens = int(sizes.sum())
+        context = sum(self._ctx.get(it.seq_id, 0) for it in items)
+        ms = self.profile.verify_ms(tree_tokens, context)
+        self.clock.advance_ms(ms)
+
+        accepted = self._walk(trees, sizes)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        bonus = self.rng.integers(1, self.vocab_size, size=len(items), dtype=np.int32)
+        results = []
+        st = self.stats
+        for k, it in enumerate(items):
+            lo = offsets[k]
+            # Accepted nodes form a chain and parents precede children: index order is
+            # path order.
+            path = accepted[(accepted >= lo) & (accepted < offsets[k + 1])] - lo
+            emitted = np.append(it.tree.tokens[path[1:]], bonus[k]).astype(np.int32)
+            cap = max(1, int(it.max_new))
+            reason = "length" if len(emitted) >= cap else None
+            emitted, path = emitted[:cap], path[:cap]
+            results.append(VerifyResult(path.astype(np.int32), emitted, reason))
+            self._ctx[it.seq_id] = self._ctx.get(it.seq_id, 0) + len(emitted)
+            self._ctx_total += len(emitted)
+            st.emitted += len(emitted)
+            st.accepted_drafts += len(path) - 1
+        st.iterations += 1
+        st.request_steps += len(items)
+        st.drafted_verified += tree_tokens - len(items)
+        st.verify_ms += ms
+        st.batches.append((len(items), tree_tokens))
+        return results
+
+    def free(self, seq_id: str) -> None:
+        self._ctx_total -= self._ctx.pop(seq_id, 0)
+
+    def can_reserve(self, total_tokens: int) -> bool:
+        return total_tokens <= self.profile.kv_capacity_tokens
+
+    def kv_usage(self) -> float:
+        return min(1.0, self._ctx_total / self.profile.kv_capacity_tokens)
+
+    def make_generator(self, seed: int | None) -> None:
+        return None
+
+    # ---- acceptance -------------------------------------------------------------------
+
+    def _walk(self, trees, sizes: np.ndarray) -> np.ndarray:
+        """Sorted global indices of every accepted node (roots included)."""
+        offsets = np.repeat(np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+        local_parents = np.concatenate([t.parents for t in trees]).astype(np.int64)
+        gpar = np.where(local_parents >= 0, local_parents + offsets, -1)
+        nonroot = np.nonzero(gpar >= 0)[0]
+        accepted = gpar < 0
+        if nonroot.size == 0:
+            return np.nonzero(accepted)[0]
+        q = np.exp(np.concatenate([t.logprobs for t in trees]).astype(np.float64)[nonroot])
+        g = self.calibration(q, self.rng)
+        # Siblings share their parent's unit interval: child c owns [lo_c, lo_c + g_c);
+        # a parent with sum g > 1 is renormalized (the target picks one token).
+        par = gpar[nonroot]
+        order = np.argsort(par, kind="stable")
+        par_sorted, g_sorted = par[order], g[order]
+        sums = np.bincount(par_sorted, weights=g_sorted, minlength=len(gpar))
+        g_sorted = g_sorted / np.maximum(sums[par_sorted], 1.0)
+        csum = np.cumsum(g_sorted)
+        first = np.concatenate([[True], par_sorted[1:] != par_sorted[:-1]])
+        group_start = np.maximum.accumulate(np.where(first, np.arange(len(csum)), 0))
+        before = csum - g_sorted - (csum[group_start] - g_sorted[group_start])
+        lo = np.empty_like(before)
+        lo[order] = before
+        g_node = np.empty_like(g_sorted)
+        g_node[order] = g_sorted
+        u = self.rng.random(len(gpar))  # one draw per parent: the target's choice there
+        chosen = np.zeros(len(gpar), dtype=bool)
+        chosen[nonroot] = (u[par] >= lo) & (u[par] < lo + g_node)
+        depth = _depths(gpar)
+        for level in range(1, int(depth.max()) + 1):
+            idx = np.nonzero(depth == level)[0]
+            accepted[idx] = chosen[idx] & accepted[gpar[idx]]
+        return np.nonzero(accepted)[0]
+
+
+def _depths(gpar: np.ndarray) -> np.ndarray:
+    """Depth of every node of a forest (pointer doubling; -1 marks roots)."""
+    jump = gpar
+    d = (jump >= 0).astype(np.int64)
+    while True:
+        live = jump >= 0
+        if not live.any():
+            return d
+        safe = np.where(live, jump, 0)
+        d = d + np.where(live, d[safe], 0)
+        jump = np.where(live, jump[safe], -1)
