@@ -19,6 +19,7 @@ Between points latency is linear; beyond the last point it continues the last se
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +78,7 @@ class Surface(BaseModel):
 def _check_axis(name: str, xs: list[float]) -> None:
     if any(not np.isfinite(x) or x < 0 for x in xs):
         raise ValueError(f"{name} must be finite and >= 0")
-    if any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(xs)):
         raise ValueError(f"{name} must be strictly increasing, got {xs}")
 
 

@@ -38,9 +38,7 @@ class SimDrafter:
         self._last: dict[str, int] = {}
         self.draft_ms_total = 0.0
 
-    def speculate(
-        self, updates: list[DraftUpdate], depth: int, width: int
-    ) -> list[CandidateTree]:
+    def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
         lost = [
             u.id
             for u in updates

@@ -71,8 +71,7 @@ def engine_settings(workload: Workload, profile: HardwareProfile, spec: PolicySp
         "scheduler": {"budget": profile.budget},
         "slo": {"baseline_tpot_ms": profile.baseline_ms()},
     }
-    merged = _merge(_merge(_merge(base, SIM_DEFAULTS), workload.settings),
-                         spec.overrides)
+    merged = _merge(_merge(_merge(base, SIM_DEFAULTS), workload.settings), spec.overrides)
     return Settings(**merged)
 
 
@@ -107,17 +106,28 @@ def simulate(
         target = SimTarget(profile, clock, calibration, np.random.default_rng(seeds[2 * u]))
         drafter = None
         if spec.speculative:
-            drafter = SimDrafter(profile, clock, sampler_for,
-                                 np.random.default_rng(seeds[2 * u + 1]), spec.expansion)
-        engine = Engine(target, drafter, LocalScheduler(settings.scheduler), settings,
-                        clock=clock, model_name=profile.name)
+            drafter = SimDrafter(
+                profile, clock, sampler_for, np.random.default_rng(seeds[2 * u + 1]), spec.expansion
+            )
+        engine = Engine(
+            target,
+            drafter,
+            LocalScheduler(settings.scheduler),
+            settings,
+            clock=clock,
+            model_name=profile.name,
+        )
         units.append(Unit(u, clock, engine, target, drafter))
 
     wall0 = time.perf_counter()
     records = _run(units, requests, spec)
     wall = time.perf_counter() - wall0
-    summary = summarize(records, policy if k is None else f"spec-{k}", rps,
-                        **_extras(units, settings, profile, duration_s, seed, wall, workload))
+    summary = summarize(
+        records,
+        policy if k is None else f"spec-{k}",
+        rps,
+        **_extras(units, settings, profile, duration_s, seed, wall, workload),
+    )
     return SimResult(summary, records, units, settings)
 
 

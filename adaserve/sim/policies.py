@@ -49,8 +49,9 @@ def policy_spec(name: str, max_running: int, k: int | None = None) -> PolicySpec
         return PolicySpec(name, {"scheduler": {"policy": name}})
     if name == "specinfer":
         nodes = _expansion_nodes(SPECINFER_EXPANSION)
-        spec = _static(name, len(SPECINFER_EXPANSION), max(SPECINFER_EXPANSION),
-                       max_running * (nodes + 1))
+        spec = _static(
+            name, len(SPECINFER_EXPANSION), max(SPECINFER_EXPANSION), max_running * (nodes + 1)
+        )
         return PolicySpec(name, spec.overrides, expansion=SPECINFER_EXPANSION)
     if name == "cb":
         return PolicySpec(name, {"engine": {"speculation": False}})

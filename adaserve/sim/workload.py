@@ -80,7 +80,14 @@ class SweepSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policies: list[str] = Field(
         default_factory=lambda: [
-            "adaserve", "equal", "global", "spec-2", "spec-4", "specinfer", "cb", "cb-priority",
+            "adaserve",
+            "equal",
+            "global",
+            "spec-2",
+            "spec-4",
+            "specinfer",
+            "cb",
+            "cb-priority",
         ]
     )
     rps: list[PositiveFloat] = Field(default_factory=lambda: [2.6, 3.0, 3.4, 3.8, 4.2, 4.6])
@@ -230,7 +237,10 @@ def _piecewise(wl: Workload, rps, duration_s, names, weights, rng):
         peak = mean_rate * ys.max() / mean_shape
         n = rng.poisson(peak * duration_s)
         t = np.sort(rng.uniform(0.0, duration_s, size=n))
-        keep = rng.uniform(0.0, peak, size=n) < mean_rate * np.interp(t / duration_s, xs, ys) / mean_shape
+        keep = (
+            rng.uniform(0.0, peak, size=n)
+            < mean_rate * np.interp(t / duration_s, xs, ys) / mean_shape
+        )
         all_t.append(t[keep])
         all_c.append(np.full(int(keep.sum()), k))
     if not all_t:
