@@ -116,6 +116,7 @@ class CandidateTree:
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 _PAD_KEY = np.uint64(0xFFFFFFFF) << np.uint64(32)  # above every real node's key
+_TIE_BITS = 32  # low bits of a greedy key: (depth, cell) packed, or their rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -337,7 +338,7 @@ class TreeBatch:
         def compute() -> np.ndarray:
             self.validate()
             n, width = len(self), self.width
-            state = self.to_grid(self.logprobs, 0.0) + 1j
+            state = np.add(self.to_grid(self.logprobs, 0.0), 1j, dtype=np.complex128)
             state[:, 0] = 0.0  # the root is committed already: f = 1, depth 0
             if width > 1:
                 par = self.to_grid(self.parents, 0)[:, 1:]
@@ -377,11 +378,11 @@ class TreeBatch:
         key = key.view(np.uint32).astype(np.uint64) << np.uint64(32)
         depth = state.imag.astype(np.uint64)
         index_bits = max(1, (cells - 1).bit_length())
-        if int(depth.max(initial=0)).bit_length() + index_bits <= 32:
+        if int(depth.max(initial=0)).bit_length() + index_bits <= _TIE_BITS:
             key |= depth << np.uint64(index_bits)
             key |= np.arange(cells, dtype=np.uint64).reshape(shape)
             self._cache["index_mask"] = np.uint64((1 << index_bits) - 1)
-        else:  # too many cells to pack depth and index into 32 bits: rank them instead
+        else:  # too many cells to pack depth and index: rank the pairs instead
             order = np.lexsort((np.arange(cells), depth.reshape(-1)))
             rank = np.empty(cells, dtype=np.uint64)
             rank[order] = np.arange(cells, dtype=np.uint64)

@@ -1,0 +1,97 @@
+"""Adaptive depth/width (paper 001 and 000 eq. 8-9) and the in-process scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from adaserve.adaptive import plan_depth_width
+from adaserve.config import AdaptiveSettings, SchedulerSettings
+from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
+from adaserve.selection import SelectionParams, select
+from tests.test_selection import FIG2_PARAMS, FIG2_R0, FIG2_R1, FIG2_REQUESTS
+
+
+def test_eurosys_policy_examples():
+    s = AdaptiveSettings(policy="eurosys", d_min=1, d_max=8, w_max=4)
+    assert plan_depth_width(1, 16, s) == (8, 4)  # floor(16/1) - 1 = 15 -> 8; 16 -> 4
+    assert plan_depth_width(4, 16, s) == (3, 4)  # floor(16/4) - 1 = 3; floor(16/4) = 4
+    assert plan_depth_width(8, 16, s) == (1, 2)
+    assert plan_depth_width(32, 16, s) == (1, 1)  # clipped from below
+    c = AdaptiveSettings(policy="eurosys", d_max=8, w_max=8, b1=64, b2=32, c1=2, c2=1)
+    assert plan_depth_width(6, 16, c) == (7, 6)  # floor(64/8) - 1; floor(32/6) + 1
+
+
+def test_v1_policy_examples():
+    s = AdaptiveSettings(policy="v1", d_max=8, w_max=4)
+    assert plan_depth_width(1, 16, s) == (8, 4)
+    assert plan_depth_width(5, 16, s) == (4, 3)  # ceil(16/5), floor(16/5)
+    assert plan_depth_width(32, 16, s) == (1, 1)
+
+
+def test_fixed_policy_and_no_requests():
+    s = AdaptiveSettings(policy="fixed", fixed_depth=5, fixed_width=2)
+    assert plan_depth_width(0, 16, s) == plan_depth_width(100, 16, s) == (5, 2)
+    for policy in ("eurosys", "v1"):
+        a = AdaptiveSettings(policy=policy)
+        assert plan_depth_width(0, 16, a) == plan_depth_width(1, 16, a)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="n:"):
+        plan_depth_width(-1, 16, AdaptiveSettings())
+    with pytest.raises(ValueError, match="budget"):
+        plan_depth_width(1, 0, AdaptiveSettings())
+
+
+@given(
+    n=st.integers(0, 600),
+    budget=st.integers(1, 2048),
+    d_min=st.integers(1, 4),
+    d_max=st.integers(1, 16),
+    w_max=st.integers(1, 16),
+    c1=st.integers(-3, 8),
+    c2=st.integers(-3, 3),
+)
+def test_eurosys_formula_and_bounds(n, budget, d_min, d_max, w_max, c1, c2):
+    s = AdaptiveSettings(policy="eurosys", d_min=d_min, d_max=d_max, w_max=w_max, c1=c1, c2=c2)
+    d, w = plan_depth_width(n, budget, s)
+    m = max(n, 1)
+    hi = max(d_min, d_max)
+    if m + c1 > 0:
+        assert d == min(hi, max(d_min, budget // (m + c1) - 1))
+    assert d_min <= d <= hi
+    assert w == min(w_max, max(1, budget // m + c2))
+
+
+@given(n=st.integers(1, 600), budget=st.integers(1, 2048))
+def test_v1_formula(n, budget):
+    s = AdaptiveSettings(policy="v1", d_max=8, w_max=4)
+    assert plan_depth_width(n, budget, s) == (
+        max(1, min(8, math.ceil(budget / n))),
+        max(1, min(4, budget // n)),
+    )
+
+
+def test_local_scheduler_plans_and_selects():
+    settings = SchedulerSettings(budget=8, adaptive=AdaptiveSettings(policy="v1", d_max=3, w_max=2))
+    scheduler: Scheduler = LocalScheduler(settings)
+    assert scheduler.plan(2) == (3, 2)
+    trees = [FIG2_R0, FIG2_R1]
+    got = scheduler.select(FIG2_REQUESTS, trees, FIG2_PARAMS)
+    assert [s.tolist() for s in got.selected] == [[0, 1, 3, 5], [0, 1, 2, 3]]
+
+
+def test_selection_params_follow_the_settings():
+    s = SchedulerSettings(
+        budget=32, policy="equal", order="ascending_a", n_max=4, correction_factor=1.05
+    )
+    p = selection_params(s, depth=5, t_spec_ms=20.0)
+    assert p == SelectionParams(32, 5, pytest.approx(21.0), "equal", 4, "ascending_a")
+    # The inflated t_spec raises A(r) by t_spec * 0.05 / tpot for every request.
+    params = selection_params(SchedulerSettings(budget=8), 3, 10.0)
+    fig2 = select(FIG2_REQUESTS, [FIG2_R0, FIG2_R1], params)
+    assert fig2.a == pytest.approx([1.6 + 0.05, 1.8 + 0.05])

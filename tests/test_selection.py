@@ -1,0 +1,207 @@
+"""Exact selection cases: the paper's Figure 2, the ablation policies, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from adaserve.selection import (
+    RequestProgress,
+    SelectionError,
+    SelectionParams,
+    default_n_max,
+    prefix_mask,
+    select,
+    slo_phase,
+)
+from adaserve.tree import CandidateTree, TreeBatch
+
+
+def tree_from_f(parents: list[int], f: list[float]) -> CandidateTree:
+    """A tree given its path probabilities f (root first): log q = log f - log f(parent)."""
+    logf = np.log(f)
+    lp = [0.0] + [logf[i] - logf[p] for i, p in enumerate(parents) if i > 0]
+    return CandidateTree.build(np.arange(len(f)) + 100, parents, lp)
+
+
+def progress(rid: str, a: float, tpot: float = 10.0, decoded: int = 10, t_spec: float = 10.0):
+    """A request whose A(r) is `a` for an iteration of t_spec ms."""
+    return RequestProgress(rid, tpot, (a + decoded) * tpot - t_spec, decoded)
+
+
+# Paper 000, Figure 2: two requests, budget 8, beam search with w = 2 for 3 steps, so
+# each candidate tree is a root and layers (t1, t2), (t3, t4), (t5, t6). The text fixes
+# f(t1) = 0.7 for r0, f(t1) = 0.5 and f(t2) = 0.4 for r1, A_cap 0.6 and 0.8 counting
+# drafted tokens only (1.6 and 1.8 with the root's 1.0), and the throughput phase
+# taking t3(0), t3(1), t5(0) in that order. The other values are chosen to agree.
+FIG2_R0 = tree_from_f([-1, 0, 0, 1, 1, 3, 3], [1.0, 0.7, 0.2, 0.4, 0.15, 0.3, 0.08])
+FIG2_R1 = tree_from_f([-1, 0, 0, 1, 2, 3, 4], [1.0, 0.5, 0.4, 0.35, 0.1, 0.2, 0.05])
+FIG2_REQUESTS = [progress("r0", 1.6), progress("r1", 1.8)]
+FIG2_PARAMS = SelectionParams(budget=8, depth=3, t_spec_ms=10.0)
+
+
+def test_figure_2_phase_by_phase():
+    batch = TreeBatch.from_trees([FIG2_R0, FIG2_R1])
+    a = np.array([1.6, 1.8])
+    # SLO phase: r1 (larger A) takes t1, t2 (1 + 0.5 + 0.4 >= 1.8); r0 takes t1 (1.7 >= 1.6).
+    take = slo_phase(batch, a, a, budget=8, n_max=default_n_max(8, 2))
+    assert take.tolist() == [2, 3]
+    slo_nodes = prefix_mask(batch, take)
+    assert np.flatnonzero(slo_nodes[0]).tolist() == [0, 1]
+    assert np.flatnonzero(slo_nodes[1]).tolist() == [0, 1, 2]
+    # Throughput phase: the remaining budget 3 goes to t3(0) 0.4, t3(1) 0.35, t5(0) 0.3.
+    sel = select(FIG2_REQUESTS, [FIG2_R0, FIG2_R1], FIG2_PARAMS)
+    assert [s.tolist() for s in sel.selected] == [[0, 1, 3, 5], [0, 1, 2, 3]]
+    assert sel.budget_used == 8
+    np.testing.assert_allclose(sel.a, [1.6, 1.8])
+    np.testing.assert_allclose(sel.a_cap, [1.6, 1.8])
+    np.testing.assert_allclose(sel.expected_accepted, [1 + 0.7 + 0.4 + 0.3, 1 + 0.5 + 0.4 + 0.35])
+
+
+def test_figure_2_ablations():
+    trees = [FIG2_R0, FIG2_R1]
+    equal = select(FIG2_REQUESTS, trees, dataclasses.replace(FIG2_PARAMS, policy="equal"))
+    # Four slots each: the top-4 of each tree.
+    assert [s.tolist() for s in equal.selected] == [[0, 1, 3, 5], [0, 1, 2, 3]]
+    glob = select(FIG2_REQUESTS, trees, dataclasses.replace(FIG2_PARAMS, policy="global"))
+    # Roots, then the 6 best of 0.7 0.5 0.4 0.4 0.35 0.3 (ties: shallower, then r0 first).
+    assert [s.tolist() for s in glob.selected] == [[0, 1, 3, 5], [0, 1, 2, 3]]
+    tight = select(FIG2_REQUESTS, trees, dataclasses.replace(FIG2_PARAMS, budget=3))
+    # One slot after the roots. Descending A: r1 gets t1 (1.5 < 1.8, budget gone).
+    assert [s.tolist() for s in tight.selected] == [[0], [0, 1]]
+    ascending = dataclasses.replace(FIG2_PARAMS, budget=3, order="ascending_a")
+    # Ascending A (the FlexFlow code's order): r0 goes first and reaches 1.7 >= 1.6.
+    assert [s.tolist() for s in select(FIG2_REQUESTS, trees, ascending).selected] == [[0, 1], [0]]
+
+
+def test_n_max_counts_the_root():
+    chain = tree_from_f([-1, 0, 1, 2, 3], [1.0, 0.5, 0.4, 0.3, 0.2])
+    sel = select(
+        [progress("r", 5.0)], [chain], SelectionParams(3, 4, 10.0, n_max=3, policy="adaserve")
+    )
+    assert sel.selected[0].tolist() == [0, 1, 2]
+    # Unreachable A_cap: with no cap the whole tree goes to the request.
+    sel = select([progress("r", 5.0)], [chain], SelectionParams(9, 4, 10.0, n_max=9))
+    assert sel.selected[0].tolist() == [0, 1, 2, 3, 4] and sel.budget_used == 5
+
+
+def test_a_cap_is_capped_by_depth():
+    chain = tree_from_f([-1, 0, 1], [1.0, 0.9, 0.8])
+    sel = select([progress("r", 10.0)], [chain], SelectionParams(1, 2, 10.0))
+    assert sel.a[0] == pytest.approx(10.0) and sel.a_cap[0] == 3.0
+    assert sel.selected[0].tolist() == [0]  # budget 1: the root only
+
+
+def test_requests_already_on_track_get_only_the_throughput_phase():
+    trees = [FIG2_R0, FIG2_R1]
+    reqs = [progress("r0", 0.5), progress("r1", -3.0)]
+    sel = select(reqs, trees, dataclasses.replace(FIG2_PARAMS, budget=3))
+    # No SLO demand: the one spare slot goes to the best node overall, r0's t1 (0.7).
+    assert [s.tolist() for s in sel.selected] == [[0, 1], [0]]
+
+
+def test_empty_batch():
+    sel = select([], [], SelectionParams(4, 3, 10.0))
+    assert sel.selected == [] and sel.budget_used == 0 and sel.a.shape == (0,)
+
+
+def test_default_n_max_is_ceil_of_1_2_b_over_n():
+    for b in range(1, 200):
+        for n in range(1, 40):
+            assert default_n_max(b, n) == math.ceil(6 * b / (5 * n))
+
+
+def _base() -> tuple[list[RequestProgress], list[CandidateTree], SelectionParams]:
+    return list(FIG2_REQUESTS), [FIG2_R0, FIG2_R1], FIG2_PARAMS
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda r, t, p: (r, t, dataclasses.replace(p, budget=0)), "budget"),
+        (lambda r, t, p: (r, t, dataclasses.replace(p, budget=-3)), "budget"),
+        (
+            lambda r, t, p: (r, t, dataclasses.replace(p, budget=1)),
+            "budget: 1 is smaller than the number of roots",
+        ),
+        (lambda r, t, p: (r, t, dataclasses.replace(p, depth=-1)), "depth"),
+        (lambda r, t, p: (r, t, dataclasses.replace(p, t_spec_ms=float("nan"))), "t_spec_ms"),
+        (lambda r, t, p: (r, t, dataclasses.replace(p, policy="fastest")), "policy"),
+        (lambda r, t, p: (r, t, dataclasses.replace(p, order="random")), "order"),
+        (lambda r, t, p: (r, t, dataclasses.replace(p, n_max=0)), "n_max"),
+        (lambda r, t, p: (r[:1], t, p), "requests: 1 requests but 2 candidate trees"),
+        (
+            lambda r, t, p: ([dataclasses.replace(r[0], tpot_slo_ms=0.0), r[1]], t, p),
+            r"requests\[0\].tpot_slo_ms",
+        ),
+        (
+            lambda r, t, p: ([r[0], dataclasses.replace(r[1], tpot_slo_ms=-5.0)], t, p),
+            r"requests\[1\].tpot_slo_ms",
+        ),
+        (
+            lambda r, t, p: ([dataclasses.replace(r[0], tpot_slo_ms=float("nan")), r[1]], t, p),
+            "tpot_slo_ms",
+        ),
+        (
+            lambda r, t, p: ([r[0], dataclasses.replace(r[1], elapsed_ms=-1.0)], t, p),
+            r"requests\[1\].elapsed_ms",
+        ),
+        (
+            lambda r, t, p: ([r[0], dataclasses.replace(r[1], decoded=-2)], t, p),
+            r"requests\[1\].decoded",
+        ),
+        (
+            lambda r, t, p: (
+                r,
+                [
+                    t[0],
+                    CandidateTree(
+                        t[1].tokens, np.array([-1, 0, 5, 1, 2, 3, 4], np.int32), t[1].logprobs
+                    ),
+                ],
+                p,
+            ),
+            r"trees\[1\].parents: parent of node 2 is 5",
+        ),
+        (
+            lambda r, t, p: (
+                r,
+                [CandidateTree(t[0].tokens, t[0].parents, np.full(7, 0.5, np.float32)), t[1]],
+                p,
+            ),
+            r"trees\[0\].logprobs: positive",
+        ),
+        (
+            lambda r, t, p: (
+                r,
+                [t[0], CandidateTree(t[1].tokens, t[1].parents, np.full(7, np.nan, np.float32))],
+                p,
+            ),
+            r"trees\[1\].logprobs: NaN",
+        ),
+        (
+            lambda r, t, p: (
+                r,
+                [t[0], CandidateTree(t[1].tokens, t[1].parents[:3], t[1].logprobs)],
+                p,
+            ),
+            r"trees\[1\]: array lengths disagree",
+        ),
+        (
+            lambda r, t, p: (
+                r,
+                [t[0], CandidateTree(*(np.zeros(0, d) for d in (np.int32, np.int32, np.float32)))],
+                p,
+            ),
+            r"trees\[1\].tokens: empty tree",
+        ),
+    ],
+)
+def test_bad_input_names_the_field(change, field):
+    requests, trees, params = change(*_base())
+    with pytest.raises(SelectionError, match=field):
+        select(requests, trees, params)
+    assert issubclass(SelectionError, ValueError)
