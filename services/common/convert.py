@@ -9,10 +9,11 @@ everything else is the domain's to validate, with messages that name the field.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaserve.rpc.v1 import common_pb2, scheduler_pb2
+from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2
 from adaserve.selection import (
     ORDERS,
     POLICIES,
@@ -22,6 +23,9 @@ from adaserve.selection import (
     SelectionParams,
 )
 from adaserve.tree import CandidateTree, TreeBatch
+
+if TYPE_CHECKING:  # adaserve.speculate imports torch; the scheduler never needs it
+    from adaserve.speculate import DraftUpdate
 
 I32 = np.dtype("<i4")
 I64 = np.dtype("<i8")
@@ -200,3 +204,37 @@ def selection_from_pb(msg: common_pb2.Selection) -> Selection:
         budget_used=msg.budget_used,
         invalid=msg.invalid,
     )
+
+
+# ---- drafter --------------------------------------------------------------------------
+
+
+def speculate_request_to_pb(
+    updates: Sequence[DraftUpdate], depth: int, width: int
+) -> drafter_pb2.SpeculateRequest:
+    return drafter_pb2.SpeculateRequest(
+        updates=[
+            drafter_pb2.DraftUpdate(
+                id=u.id, new_tokens=packed(u.new_tokens, I32), total_len=u.total_len
+            )
+            for u in updates
+        ],
+        depth=depth,
+        width=width,
+    )
+
+
+def speculate_request_from_pb(
+    msg: drafter_pb2.SpeculateRequest,
+) -> tuple[list[DraftUpdate], int, int]:
+    """Token arrays are views over the message's buffers; the drafter validates the
+    rest (ids, lengths, token range, depth and width)."""
+    from adaserve.speculate import DraftUpdate  # torch: only drafter processes pay for it
+
+    updates = []
+    for k, u in enumerate(msg.updates):
+        if not u.id:
+            raise WireError(f"updates[{k}].id: empty request id")
+        tokens = unpacked(u.new_tokens, I32, f"updates[{k}].new_tokens")
+        updates.append(DraftUpdate(u.id, tokens, u.total_len))
+    return updates, msg.depth, msg.width

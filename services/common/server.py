@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import DomainErrorInterceptor
+from services.common.errors import DomainErrorInterceptor, ErrorCodes
 from services.common.options import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -32,15 +32,23 @@ class GrpcServer:
     """Must be created, started and stopped on the event loop that serves it."""
 
     def __init__(
-        self, services: Sequence[Service], host: str, port: int, *, grace_s: float = 5.0
+        self,
+        services: Sequence[Service],
+        host: str,
+        port: int,
+        *,
+        grace_s: float = 5.0,
+        error_codes: ErrorCodes | None = None,
     ) -> None:
+        """`error_codes` maps domain exceptions to status codes beyond the default
+        ValueError -> INVALID_ARGUMENT (see services/common/errors.py)."""
         self.services = list(services)
         self.address = f"{host}:{port}"
         self.grace_s = grace_s
         self.port = port
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
-            interceptors=[DomainErrorInterceptor()], options=SERVER_OPTIONS
+            interceptors=[DomainErrorInterceptor(error_codes)], options=SERVER_OPTIONS
         )
 
     async def start(self) -> int:
