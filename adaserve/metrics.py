@@ -8,11 +8,28 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                    0.5, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 
 requests_total = Counter(
-    "adaserve_engine_requests_total", "Finished requests by reason and SLO class",
+    "adaserve_engine_requests_total",
+    "Finished requests by reason and SLO class",
     ["finish_reason", "slo_class"],
 )
 num_running = Gauge("adaserve_num_requests_running", "Requests in the decode batch")
@@ -21,20 +38,25 @@ kv_usage = Gauge("adaserve_kv_cache_usage_perc", "Fraction of target KV blocks i
 
 iterations_total = Counter("adaserve_iterations_total", "Decode iterations")
 iteration_seconds = Histogram(
-    "adaserve_iteration_seconds", "Iteration latency by phase", ["phase"],
+    "adaserve_iteration_seconds",
+    "Iteration latency by phase",
+    ["phase"],
     buckets=_LATENCY_BUCKETS,
 )
 budget_used = Histogram(
-    "adaserve_budget_used_tokens", "Tree tokens verified per iteration",
+    "adaserve_budget_used_tokens",
+    "Tree tokens verified per iteration",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
 )
 batch_size = Histogram(
-    "adaserve_batch_size", "Requests per decode iteration",
+    "adaserve_batch_size",
+    "Requests per decode iteration",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 fallbacks_total = Counter(
-    "adaserve_fallbacks_total", "Iterations that fell back (drafter: plain decoding; "
-    "scheduler: in-process selection)", ["component"],
+    "adaserve_fallbacks_total",
+    "Iterations that fell back (drafter: plain decoding; scheduler: in-process selection)",
+    ["component"],
 )
 drafter_resyncs_total = Counter(
     "adaserve_drafter_resyncs_total", "Requests whose draft state was rebuilt from history"
@@ -50,7 +72,8 @@ spec_num_accepted_tokens = Counter(
 )
 spec_accepted_per_pos = Counter(
     "adaserve_spec_decode_num_accepted_tokens_per_pos_total",
-    "Accepted drafted tokens by depth in the tree", ["position"],
+    "Accepted drafted tokens by depth in the tree",
+    ["position"],
 )
 spec_emitted_tokens = Counter(
     "adaserve_spec_decode_num_emitted_tokens_total", "Tokens emitted (accepted + bonus)"
@@ -58,26 +81,34 @@ spec_emitted_tokens = Counter(
 
 # Per SLO class, from the engine's own clock (the gateway keeps its client-side view).
 ttft_seconds = Histogram(
-    "adaserve_engine_ttft_seconds", "Time to first token", ["slo_class"],
+    "adaserve_engine_ttft_seconds",
+    "Time to first token",
+    ["slo_class"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 tpot_seconds = Histogram(
-    "adaserve_engine_tpot_seconds", "Mean time per output token after the first",
-    ["slo_class"], buckets=_LATENCY_BUCKETS,
+    "adaserve_engine_tpot_seconds",
+    "Mean time per output token after the first",
+    ["slo_class"],
+    buckets=_LATENCY_BUCKETS,
 )
 slo_attained_total = Counter(
-    "adaserve_engine_slo_attained_total", "Finished requests that met their TPOT SLO",
+    "adaserve_engine_slo_attained_total",
+    "Finished requests that met their TPOT SLO",
     ["slo_class"],
 )
 slo_missed_total = Counter(
-    "adaserve_engine_slo_missed_total", "Finished requests that missed their TPOT SLO",
+    "adaserve_engine_slo_missed_total",
+    "Finished requests that missed their TPOT SLO",
     ["slo_class"],
 )
 goodput_tokens_total = Counter(
-    "adaserve_engine_goodput_tokens_total", "Output tokens of requests that met their SLO",
+    "adaserve_engine_goodput_tokens_total",
+    "Output tokens of requests that met their SLO",
     ["slo_class"],
 )
 best_effort_total = Counter(
-    "adaserve_best_effort_requests_total", "Requests admitted best-effort (SLO unattainable)",
+    "adaserve_best_effort_requests_total",
+    "Requests admitted best-effort (SLO unattainable)",
     ["slo_class"],
 )

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from adaserve.request import SamplingParams
+from adaserve.sampling import TokenRng
 from adaserve.tree import CandidateTree
-from adaserve.verify import VerifyResult, verify_tree
+from adaserve.verify import VerifyResult, verify_batch, verify_tree
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class VerifyItem:
     seq_id: str
     tree: CandidateTree  # the selected tree; node 0 is the root (not yet in target KV)
     sampling: SamplingParams
-    generator: torch.Generator | None
+    generator: TokenRng | None  # the request's random stream (sampling only)
     max_new: int  # tokens the request may still emit
 
 
@@ -34,7 +35,7 @@ class TargetModel(Protocol):
     eos_token_ids: tuple[int, ...]
 
     def prefill(
-        self, items: Sequence[tuple[str, Sequence[int], SamplingParams, torch.Generator | None]]
+        self, items: Sequence[tuple[str, Sequence[int], SamplingParams, TokenRng | None]]
     ) -> list[int]:
         """Commit each prompt's KV and return each request's first generated token."""
         ...
@@ -50,7 +51,7 @@ class TargetModel(Protocol):
 
     def kv_usage(self) -> float: ...
 
-    def make_generator(self, seed: int | None) -> torch.Generator | None: ...
+    def make_generator(self, seed: int | None) -> TokenRng | None: ...
 
 
 class RunnerTarget:
@@ -76,7 +77,7 @@ class RunnerTarget:
                 chunk = toks[offset : offset + self.prefill_chunk]
                 inputs.append(_chain_input(seq_id, chunk))
                 owners.append((seq_id, len(chunk)))
-            logits = self.runner.forward(inputs, logits_indices=_last_indices(owners))
+            logits = self.runner.forward(inputs, last_only=True)
             for (seq_id, n), row in zip(owners, logits, strict=True):
                 self.runner.commit(seq_id, range(n))
                 last_logits[seq_id] = row
@@ -85,7 +86,13 @@ class RunnerTarget:
         first = []
         for seq_id, _, sampling, generator in items:
             root = CandidateTree.root_only(0)  # token unused: only its logits matter
-            res = verify_tree(root, last_logits[seq_id][None], sampling, generator)
+            res = verify_tree(
+                root,
+                last_logits[seq_id][None],
+                sampling,
+                generator,
+                eos_token_ids=self.eos_token_ids,
+            )
             first.append(int(res.emitted_tokens[0]))
         return first
 
@@ -94,42 +101,37 @@ class RunnerTarget:
 
         inputs = [SeqInput(it.seq_id, it.tree.tokens, it.tree.parents) for it in items]
         logits = self.runner.forward(inputs)
-        results, start = [], 0
-        for it in items:
-            n = len(it.tree)
-            res = verify_tree(it.tree, logits[start : start + n], it.sampling, it.generator)
-            self.runner.commit(it.seq_id, [int(i) for i in res.accepted_nodes])
-            results.append(res)
-            start += n
+        results = verify_batch(
+            [it.tree for it in items],
+            logits,
+            [it.sampling for it in items],
+            [it.generator for it in items],
+            eos_token_ids=self.eos_token_ids,
+            max_new=[it.max_new for it in items],
+        )
+        for it, res in zip(items, results, strict=True):
+            self.runner.commit(it.seq_id, res.accepted_nodes)
         return results
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
 
     def can_reserve(self, total_tokens: int) -> bool:
-        return self.runner.can_reserve(total_tokens)
+        cache = self.runner.cache
+        # One partly filled block per sequence is the worst-case fragmentation.
+        slack = (len(cache.seqs) + 1) * cache.block_size
+        return total_tokens + slack <= cache.allocator.num_blocks * cache.block_size
 
     def kv_usage(self) -> float:
         return float(self.runner.kv_usage())
 
-    def make_generator(self, seed: int | None) -> torch.Generator:
-        g = torch.Generator(device="cpu")
-        if seed is None:
-            g.seed()
-        else:
-            g.manual_seed(seed)
-        return g
+    def make_generator(self, seed: int | None) -> TokenRng:
+        # Counter-based stream: a seeded request samples the same tokens whatever the
+        # batch or the tree shapes (see adaserve/sampling.py).
+        return TokenRng(seed)
 
 
 def _chain_input(seq_id: str, tokens: np.ndarray):
     from adaserve.model.runner import SeqInput
 
     return SeqInput(seq_id, tokens, np.arange(-1, len(tokens) - 1, dtype=np.int32))
-
-
-def _last_indices(owners: list[tuple[str, int]]) -> list[int]:
-    out, start = [], 0
-    for _, n in owners:
-        out.append(start + n - 1)
-        start += n
-    return out

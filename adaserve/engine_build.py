@@ -1,0 +1,99 @@
+"""Assemble an Engine from settings: the one place that decides in-process vs gRPC.
+
+`generate`, `up --all-in-one` and the verifier service all call `build_engine`, so the
+same engine code runs every way. gRPC clients are imported only when an address is
+configured (the core never needs grpc to run in-process).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from adaserve.config import Settings
+from adaserve.engine import Engine
+from adaserve.scheduler import LocalScheduler, Scheduler
+from adaserve.speculate import BeamDrafter, Drafter
+from adaserve.target import RunnerTarget
+
+log = logging.getLogger("adaserve.engine")
+
+
+def build_engine(settings: Settings) -> Engine:
+    from adaserve.model.loader import load_runner, load_tokenizer, resolve_model
+
+    ms = settings.model
+    target_dir = resolve_model(ms.target)
+    runner = load_runner(
+        target_dir,
+        device=ms.device,
+        dtype=ms.dtype,
+        tp=ms.tp,
+        kv_memory_gb=settings.engine.kv_memory_gb,
+        kv_blocks=settings.engine.kv_blocks,
+        block_size=settings.engine.kv_block_size,
+        max_model_len=settings.engine.max_model_len,
+    )
+    tokenizer = load_tokenizer(target_dir)
+    target = RunnerTarget(runner, eos_token_ids(tokenizer, runner), settings.engine.prefill_chunk)
+    return Engine(
+        target=target,
+        drafter=build_drafter(settings, target_dir) if settings.engine.speculation else None,
+        scheduler=build_scheduler(settings),
+        settings=settings,
+        tokenizer=tokenizer,
+        model_name=served_name(settings, target_dir),
+    )
+
+
+def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter | None:
+    if settings.services.drafter:
+        from services.drafter.client import GrpcDrafter
+
+        return GrpcDrafter(
+            settings.services.drafter, timeout_s=settings.engine.speculation_timeout_ms / 1000.0
+        )
+    if not settings.model.drafter:
+        return None
+    from adaserve.model.loader import load_runner, resolve_model
+
+    ms = settings.model
+    drafter_dir = resolve_model(ms.drafter, role="drafter", target=target_dir)
+    runner = load_runner(
+        drafter_dir,
+        device=ms.device,
+        dtype=ms.dtype,
+        tp=1,
+        kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
+        block_size=settings.engine.kv_block_size,
+        max_model_len=settings.engine.max_model_len,
+        target_dir=target_dir,
+    )
+    return BeamDrafter(runner)
+
+
+def build_scheduler(settings: Settings) -> Scheduler:
+    if settings.services.scheduler:
+        from services.scheduler.client import GrpcScheduler
+
+        return GrpcScheduler(
+            settings.services.scheduler,
+            settings.scheduler,
+            timeout_s=settings.engine.scheduler_timeout_ms / 1000.0,
+        )
+    return LocalScheduler(settings.scheduler)
+
+
+def eos_token_ids(tokenizer, runner) -> tuple[int, ...]:
+    ids = set(getattr(runner.config, "eos_token_ids", ()) or ())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def served_name(settings: Settings, target_dir: Path) -> str:
+    if settings.model.served_name:
+        return settings.model.served_name
+    if settings.model.target == "embedded":
+        return "SmolLM2-135M-Instruct"
+    return Path(target_dir).name
