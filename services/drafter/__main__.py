@@ -1,0 +1,63 @@
+"""`adaserve drafter --host H --port P --model PATH [--device D] [--config FILE]`:
+the draft model behind the Drafter gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    parser.add_argument(
+        "--model", help="drafter model: HF directory, .gguf or 'embedded' (default: settings)"
+    )
+    parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: settings)")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: settings)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--config", default=None, help="YAML settings file")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `adaserve drafter --help` never pays for torch.
+    from adaserve.config import load_settings
+    from adaserve.model.loader import load_runner
+    from adaserve.speculate import BeamDrafter
+    from services.common.server import run_until_signal
+    from services.drafter.server import build_server
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = load_settings(args.config)
+    ms = settings.model
+    model = args.model or ms.drafter
+    if not model:
+        print("adaserve drafter: no model (pass --model PATH)", file=sys.stderr)
+        return 2
+    try:
+        runner = load_runner(
+            model,
+            device=args.device or ms.device,
+            dtype=args.dtype or ms.dtype,
+            role="drafter",
+            kv_block_size=settings.engine.kv_block_size,
+            # The draft model is small and keeps only committed KV: a quarter of the
+            # target's KV memory holds as many tokens.
+            kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
+            max_model_len=settings.engine.max_model_len,
+            threads=args.threads,
+        )
+    except (OSError, ValueError) as exc:  # missing or unsupported model: say so, no traceback
+        print(f"adaserve drafter: {exc}", file=sys.stderr)
+        return 2
+    return run_until_signal(lambda: build_server(BeamDrafter(runner), args.host, args.port))
+
+
+if __name__ == "__main__":
+    from adaserve.cli import main
+
+    raise SystemExit(main(["drafter", *sys.argv[1:]]))

@@ -1,0 +1,65 @@
+"""GrpcDrafter: the Drafter interface over gRPC, for the synchronous engine.
+
+Same trees as the in-process BeamDrafter. Lost draft state comes back as
+DrafterStateLost(ids), exactly as in-process, so the engine re-sends those requests'
+full history; bad input raises ValueError; an unreachable or failing service raises
+ServiceUnavailable (a ConnectionError) and the engine decodes without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from adaserve.speculate import DrafterStateLost, DrafterStats, DraftUpdate
+from adaserve.tree import CandidateTree
+from services.common.client import call
+from services.common.convert import speculate_request_to_pb, trees_from_pb
+from services.common.options import insecure_channel
+
+
+class GrpcDrafter:
+    def __init__(self, address: str, *, timeout_s: float = 0.5) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = insecure_channel(address)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        # Server-side timing of the latest Speculate, for the engine's overhead metrics.
+        self.last_timing: common_pb2.ServerTiming | None = None
+
+    def speculate(
+        self, updates: Sequence[DraftUpdate], depth: int, width: int
+    ) -> list[CandidateTree]:
+        msg = speculate_request_to_pb(updates, depth, width)
+        reply = call("drafter", self._stub.Speculate, msg, self.timeout_s)
+        self.last_timing = reply.timing
+        if reply.lost_ids:
+            raise DrafterStateLost(list(reply.lost_ids))
+        batch = trees_from_pb(reply.trees)
+        if len(batch) != len(updates):
+            raise ValueError(f"drafter returned {len(batch)} trees for {len(updates)} updates")
+        return batch.trees()
+
+    def release(self, ids: Sequence[str]) -> None:
+        call(
+            "drafter", self._stub.Release, drafter_pb2.ReleaseRequest(ids=list(ids)), self.timeout_s
+        )
+
+    def stats(self) -> DrafterStats:
+        reply = call("drafter", self._stub.Stats, drafter_pb2.StatsRequest(), self.timeout_s)
+        return DrafterStats(reply.num_sequences, reply.kv_usage)
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Blocks until the channel connects (raises grpc.FutureTimeoutError)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GrpcDrafter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

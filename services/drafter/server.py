@@ -1,0 +1,90 @@
+"""The drafter servicer: convert, one domain call, convert back.
+
+The drafter owns per-request draft KV, so calls must not interleave: they run one at
+a time on a single worker thread. That keeps the event loop free for health checks
+while the model computes (torch releases the GIL inside its kernels). Lost state is
+an answer (SpeculateResponse.lost_ids), not an error, so the engine re-syncs those ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from adaserve.model.kv_cache import KVCacheFull
+from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from adaserve.speculate import BeamDrafter, DrafterStateLost
+from services.common.convert import speculate_request_from_pb, trees_to_pb
+from services.common.server import GrpcServer, Service
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+T = TypeVar("T")
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, drafter: BeamDrafter) -> None:
+        self.drafter = drafter
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def Speculate(
+        self, request: drafter_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.SpeculateResponse:
+        t0 = time.perf_counter_ns()
+        updates, depth, width = speculate_request_from_pb(request)
+        t1 = time.perf_counter_ns()
+        try:
+            trees = await self._run(self.drafter.speculate, updates, depth, width)
+        except DrafterStateLost as lost:
+            t2 = time.perf_counter_ns()
+            return drafter_pb2.SpeculateResponse(
+                lost_ids=list(lost.ids), timing=_timing(t0, t1, t2, t2)
+            )
+        t2 = time.perf_counter_ns()
+        reply = drafter_pb2.SpeculateResponse(trees=trees_to_pb(trees))
+        reply.timing.CopyFrom(_timing(t0, t1, t2, time.perf_counter_ns()))
+        return reply
+
+    async def Release(
+        self, request: drafter_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.ReleaseResponse:
+        await self._run(self.drafter.release, list(request.ids))
+        return drafter_pb2.ReleaseResponse()
+
+    async def Stats(
+        self, request: drafter_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.StatsResponse:
+        stats = await self._run(self.drafter.stats)
+        return drafter_pb2.StatsResponse(num_sequences=stats.num_sequences, kv_usage=stats.kv_usage)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _timing(t0: int, t1: int, t2: int, t3: int) -> common_pb2.ServerTiming:
+    return common_pb2.ServerTiming(
+        decode_us=(t1 - t0) // 1000, compute_us=(t2 - t1) // 1000, encode_us=(t3 - t2) // 1000
+    )
+
+
+def build_server(drafter: BeamDrafter, host: str, port: int, *, grace_s: float = 5.0) -> GrpcServer:
+    servicer = DrafterServicer(drafter)
+    return GrpcServer(
+        [
+            Service(
+                SERVICE_NAME,
+                lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
+            )
+        ],
+        host,
+        port,
+        grace_s=grace_s,
+        error_codes={KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED},
+    )
