@@ -1,0 +1,231 @@
+"""Building blocks of the decoder, tensor-parallel by construction.
+
+Every linear layer knows how it is sharded (`load` takes the full HF tensor and
+keeps this rank's slice) and does its own communication in `forward`: column-parallel
+layers need none, row-parallel ones `all_reduce`, the vocab-parallel embedding
+`all_reduce`s and the LM head `all_gather`s. With one rank these are plain ops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None with one rank
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's [start, stop) of n items split evenly."""
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {self.size}")
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with the output features split across ranks; several HF matrices
+    can be fused (q|k|v, gate|up), each split separately so every rank holds whole
+    heads / whole MLP columns of each part."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_parts: list[int],
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_parts = out_parts  # full (unsharded) size of each fused part
+        local = sum(p // tp.size for p in out_parts)
+        self.weight = _param((local, in_features), dtype, device)
+        self.bias = _param((local,), dtype, device) if bias else None
+
+    def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
+        def shard(parts: list[torch.Tensor]) -> torch.Tensor:
+            out = []
+            for t, n in zip(parts, self.out_parts, strict=True):
+                a, b = self.tp.split(n, "output features")
+                out.append(t[a:b])
+            return torch.cat(out, 0)
+
+        self.weight.copy_(shard(weights))
+        if self.bias is not None:
+            if biases is None:
+                raise ValueError("checkpoint lacks the bias this layer expects")
+            self.bias.copy_(shard(biases))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T: input features split, partial sums all-reduced.
+    The bias is added once, after the reduction."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.weight = _param((out_features, in_features // tp.size), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        a, b = self.tp.split(self.in_features, "input features")
+        self.weight.copy_(weight[:, a:b])
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("checkpoint lacks the bias this layer expects")
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp.size > 1:
+            dist.all_reduce(y, group=self.tp.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous vocab slice; ids outside it embed to zero and the
+    all-reduce assembles the full embedding."""
+
+    def __init__(
+        self, vocab: int, dim: int, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab = vocab
+        self.start, self.stop = tp.split(vocab, "vocab_size")
+        self.weight = _param((self.stop - self.start, dim), dtype, device)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(weight[self.start : self.stop])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(inside, ids - self.start, 0)
+        y = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        dist.all_reduce(y, group=self.tp.group)
+        return y
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for this rank's vocab slice, all-gathered along the vocab axis. Shares
+    the embedding's weight when the model ties them."""
+
+    def __init__(
+        self,
+        embed: VocabParallelEmbedding,
+        tied: bool,
+        dim: int,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.stop = embed.start, embed.stop
+        self.weight = embed.weight if tied else _param((self.stop - self.start, dim), dtype, device)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(weight[self.start : self.stop])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight)
+        if self.tp.size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
+        dist.all_gather(parts, logits.contiguous(), group=self.tp.group)
+        return torch.cat(parts, dim=-1)
+
+
+class Rotary:
+    """cos/sin tables for positions [0, max_len), computed in fp32 as transformers does,
+    then cast. `sin` carries the rotate-half sign so that applying RoPE is
+    `x * cos + roll(x, D/2) * sin` (4 ops)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_len: int,
+        scaling: dict | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        ar = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+        inv_freq = 1.0 / (theta ** (ar / head_dim))
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+        freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_dim // 2
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]
+        self.cos = emb.cos().to(dtype=dtype, device=device)  # [max_len, D]
+        self.sin = sin.to(dtype=dtype, device=device)
+        self.half = half
+        self.max_len = max_len
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] -> cos, sin [T, 1, D] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_type {kind!r}")
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, out)

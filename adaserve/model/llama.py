@@ -1,0 +1,187 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, SmolLM2, Mistral) over packed
+tokens: hidden states are [T, hidden] for all sequences of the batch together; the
+attention backend knows which tokens belong to which sequence.
+
+q|k|v and gate|up are fused into one matmul each (fewer ops per layer matters on
+CPU, where a 135M model's decode step is mostly overhead and weight reads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adaserve.model.attention import AttentionBackend
+from adaserve.model.config import ModelConfig, UnsupportedModelError
+from adaserve.model.kv_cache import KVStorage
+from adaserve.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    Rotary,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from adaserve.model.weights import WeightSource
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        tp.split(cfg.num_heads, "num_attention_heads")
+        tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.layer = layer
+        d = cfg.head_dim
+        self.heads = cfg.num_heads // tp.size
+        self.kv_heads = cfg.num_kv_heads // tp.size
+        self.head_dim = d
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+            cfg.qkv_bias,
+            tp,
+            dtype,
+            device,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp, dtype, device
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        kv: KVStorage,
+        meta: Any,
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv(x)
+        # RoPE on q and k together: one set of ops for both.
+        qk = rotary.apply(qkv[:, : (self.heads + self.kv_heads) * d].view(t, -1, d), cos, sin)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
+        v = qkv[:, (self.heads + self.kv_heads) * d :].view(t, self.kv_heads, d)
+        return self.o_proj(backend.attend(self.layer, q, k, v, kv, meta))
+
+
+class MLP(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.local = i // tp.size
+        self.gate_up = ColumnParallelLinear(
+            cfg.hidden_size, [i, i], cfg.mlp_bias, tp, dtype, device
+        )
+        self.down = RowParallelLinear(i, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.local, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.attn = Attention(cfg, layer, tp, dtype, device)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, tp, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        kv: KVStorage,
+        meta: Any,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), rotary, cos, sin, backend, kv, meta)
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, max_len: int, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(
+            self.embed, cfg.tie_word_embeddings, cfg.hidden_size, tp, dtype, device
+        )
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, dtype, device)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv: KVStorage,
+        meta: Any,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """ids, positions: [T]; logits_rows: which of the T tokens need logits (None: all).
+        Returns logits [rows, vocab] in the model dtype."""
+        x = self.embed(ids)
+        cos, sin = self.rotary.tables(positions)
+        for layer in self.layers:
+            x = layer(x, self.rotary, cos, sin, backend, kv, meta)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def load_weights(self, src: WeightSource) -> None:
+        cfg = self.cfg
+        prefix = _prefix(src)
+        get = lambda name: src.get(prefix + name)  # noqa: E731
+        opt = lambda name: src.get(prefix + name) if src.has(prefix + name) else None  # noqa: E731
+        self.embed.load(get("model.embed_tokens.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = ["q_proj", "k_proj", "v_proj"]
+            layer.attn.qkv.load(
+                [get(f"{a}{n}.weight") for n in qkv],
+                [get(f"{a}{n}.bias") for n in qkv] if cfg.qkv_bias else None,
+            )
+            layer.attn.o_proj.load(get(a + "o_proj.weight"), opt(a + "o_proj.bias"))
+            m = p + "mlp."
+            layer.mlp.gate_up.load(
+                [get(m + "gate_proj.weight"), get(m + "up_proj.weight")],
+                [get(m + "gate_proj.bias"), get(m + "up_proj.bias")] if cfg.mlp_bias else None,
+            )
+            layer.mlp.down.load(get(m + "down_proj.weight"), opt(m + "down_proj.bias"))
+            layer.input_norm.weight.copy_(get(p + "input_layernorm.weight"))
+            layer.post_norm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+        self.norm.weight.copy_(get("model.norm.weight"))
+        if not cfg.tie_word_embeddings:
+            self.lm_head.load(get("lm_head.weight"))
+
+
+def _prefix(src: WeightSource) -> str:
+    if src.has("model.embed_tokens.weight"):
+        return ""
+    raise UnsupportedModelError(
+        f"{src.path}: no model.embed_tokens.weight in the checkpoint (not a Llama-family "
+        f"causal LM checkpoint?)"
+    )

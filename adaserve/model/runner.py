@@ -1,0 +1,174 @@
+"""ModelRunner: the decoder plus its paged KV cache, driven by token trees.
+
+Each sequence has a committed prefix (KV cached) and, during an iteration, scratch
+nodes: tokens whose KV is computed by `forward` and kept in slots after the prefix
+until `commit` keeps one chain of them and drops the rest. A forward over a batch of
+sequences builds one `TreeBatch` (slots, visibility) and one backend metadata
+object, then runs the layers once for all new nodes of all sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from adaserve.model.attention import AttentionBackend, TreeBatch
+from adaserve.model.config import ModelConfig
+from adaserve.model.kv_cache import KVCacheFull, PagedKVCache
+from adaserve.model.llama import LlamaModel
+
+__all__ = ["KVCacheFull", "ModelRunner", "SeqInput"]
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    seq_id: str
+    tokens: np.ndarray  # int32 [k]: new nodes appended to this sequence's scratch
+    parents: np.ndarray  # int32 [k]: index into the sequence's scratch nodes (earlier
+    # calls' scratch first, then these), or -1 = child of the committed prefix.
+    # Position = committed_len + depth.
+
+    @staticmethod
+    def chain(seq_id: str, tokens: Sequence[int] | np.ndarray) -> SeqInput:
+        """A prefill chunk / plain decode step: each token the child of the previous."""
+        k = len(tokens)
+        return SeqInput(
+            seq_id, np.asarray(tokens, dtype=np.int32), np.arange(-1, k - 1, dtype=np.int32)
+        )
+
+
+class ModelRunner:
+    """Single-process runner (also one rank's part under tensor parallelism)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: ModelConfig,
+        cache: PagedKVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.cache = cache
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.vocab_size = config.vocab_size
+
+    # -- sequence lifecycle ------------------------------------------------------------
+
+    def add_sequence(self, seq_id: str) -> None:
+        self.cache.add(seq_id)
+
+    def committed_len(self, seq_id: str) -> int:
+        return self.cache.get(seq_id).committed
+
+    def scratch_len(self, seq_id: str) -> int:
+        return self.cache.get(seq_id).scratch_len
+
+    def commit(self, seq_id: str, keep: Sequence[int]) -> None:
+        """`keep`: scratch indices forming a chain off the committed prefix, in order;
+        their KV becomes committed, the rest of the scratch is dropped."""
+        self.cache.commit(seq_id, [int(s) for s in keep])
+
+    def free(self, seq_id: str) -> None:
+        """Release a sequence's blocks; unknown ids are ignored (abort paths race)."""
+        self.cache.free(seq_id)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.cache.can_allocate(num_tokens)
+
+    def kv_usage(self) -> float:
+        return self.cache.usage()
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self.cache.seqs
+
+    # -- forward -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[SeqInput], *, last_only: bool = False) -> torch.Tensor:
+        """Logits float32 [sum k, vocab] for every new node (packed in input order), or
+        [len(inputs), vocab] for each sequence's last new node with `last_only`.
+
+        Raises KVCacheFull (nothing changed) when the new nodes do not fit, and
+        ValueError / KeyError on malformed input (nothing changed)."""
+        self._validate(inputs)
+        self.cache.reserve({x.seq_id: len(x.tokens) for x in inputs})
+        bs = self.cache.block_size
+        positions, slot_mapping, kv_slots, visible, tables = [], [], [], [], []
+        for x in inputs:
+            seq = self.cache.get(x.seq_id)
+            before = seq.total_len
+            depths = seq.append_scratch(x.parents.astype(np.int64))
+            positions.append(seq.committed + depths)
+            slot_mapping.append(seq.slots(before, seq.total_len, bs))
+            kv_slots.append(seq.slots(0, seq.total_len, bs))
+            vis = np.ones((len(x.tokens), seq.total_len), dtype=bool)
+            vis[:, seq.committed :] = seq.ancestors[-len(x.tokens) :]
+            visible.append(vis)
+            tables.append(list(seq.block_table))
+        batch = TreeBatch(
+            query_lens=[len(x.tokens) for x in inputs],
+            slot_mapping=np.concatenate(slot_mapping),
+            kv_slots=kv_slots,
+            visible=visible,
+            block_tables=tables,
+        )
+        meta = self.backend.plan(batch)
+        dev = self.device
+        ids = torch.from_numpy(np.concatenate([x.tokens for x in inputs]).astype(np.int64))
+        pos = torch.from_numpy(np.concatenate(positions))
+        rows = None
+        if last_only:
+            rows = torch.from_numpy(np.cumsum(batch.query_lens) - 1).to(dev)
+        logits = self.model(ids.to(dev), pos.to(dev), self.backend, self.cache.storage, meta, rows)
+        return logits.float()
+
+    def _validate(self, inputs: list[SeqInput]) -> None:
+        if not inputs:
+            raise ValueError("forward: empty batch")
+        seen: set[str] = set()
+        for x in inputs:
+            if x.seq_id in seen:
+                raise ValueError(f"forward: sequence {x.seq_id!r} appears twice in one batch")
+            seen.add(x.seq_id)
+            seq = self.cache.get(x.seq_id)
+            tokens, parents = np.asarray(x.tokens), np.asarray(x.parents)
+            k = tokens.shape[0]
+            if tokens.ndim != 1 or parents.shape != tokens.shape or k == 0:
+                raise ValueError(
+                    f"forward({x.seq_id!r}): tokens and parents must be equal-length non-empty "
+                    f"1-D arrays (got {tokens.shape} and {parents.shape})"
+                )
+            if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+                raise ValueError(
+                    f"forward({x.seq_id!r}): token id out of range [0, {self.vocab_size})"
+                )
+            s0 = seq.scratch_len
+            limit = s0 + np.arange(k)  # node j may hang off any earlier node
+            if np.any(parents < -1) or np.any(parents >= limit):
+                raise ValueError(
+                    f"forward({x.seq_id!r}): parents must be -1 or an earlier scratch index "
+                    f"(scratch has {s0} nodes before this call)"
+                )
+            max_depth = self._max_depth(seq.depths, parents)
+            if seq.committed + max_depth >= self.max_model_len:
+                raise ValueError(
+                    f"forward({x.seq_id!r}): position {seq.committed + max_depth} exceeds "
+                    f"max_model_len {self.max_model_len}"
+                )
+
+    @staticmethod
+    def _max_depth(old_depths: list[int], parents: np.ndarray) -> int:
+        depths = list(old_depths)
+        for p in parents.tolist():
+            depths.append(depths[p] + 1 if p >= 0 else 0)
+        return max(depths[len(old_depths) :])
