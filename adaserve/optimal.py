@@ -30,9 +30,11 @@ from adaserve.tree import TreeBatch
 def optimal_selection(batch: TreeBatch, a: np.ndarray, a_cap: np.ndarray, budget: int) -> Selection:
     """Selection maximizing total f subject to sum f >= A(r) for every request and at
     most `budget` nodes, or Selection(invalid=True) when none exists."""
-    count, reached = greedy_prefix(batch, a, batch.sizes)
-    if not reached.all() or int(count.sum()) > budget:
+    count, acc = greedy_prefix(batch, a, batch.sizes)
+    reached = acc[np.arange(len(batch)), count - 1] >= a
+    taken = int(count.sum())
+    if not reached.all() or taken > budget:
         return Selection([], a, a_cap, np.zeros(len(batch)), 0, invalid=True)
     mask = prefix_mask(batch, count)
-    throughput_phase(batch, mask, budget - int(count.sum()))
+    throughput_phase(batch, mask, budget - taken, taken)
     return assemble(batch, mask, a, a_cap)

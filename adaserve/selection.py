@@ -24,7 +24,9 @@ cumulative sum, and the throughput phase is a prefix of the global order.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +38,9 @@ from adaserve.tree import CandidateTree, TreeBatch, TreeError
 POLICIES = ("adaserve", "equal", "global", "optimal")
 ORDERS = ("descending_a", "ascending_a")
 _TAKEN = np.uint64(np.iinfo(np.uint64).max)  # above every node's greedy key
+_ELAPSED = operator.attrgetter("elapsed_ms")
+_DECODED = operator.attrgetter("decoded")
+_TPOT = operator.attrgetter("tpot_slo_ms")
 
 
 class SelectionError(ValueError):
@@ -142,7 +147,8 @@ def select(
         take = np.ones(n, dtype=np.int64)
     mask = prefix_mask(batch, take)
     if params.policy != "equal":
-        throughput_phase(batch, mask, params.budget - int(take.sum()))
+        taken = int(take.sum())
+        throughput_phase(batch, mask, params.budget - taken, taken)
     return assemble(batch, mask, a, a_cap)
 
 
@@ -156,14 +162,13 @@ def slo_phase(
 ) -> np.ndarray:
     """Nodes each request holds after the SLO phase (root included): int64 [n]."""
     want, _ = greedy_prefix(batch, a_cap, np.minimum(batch.sizes, n_max))
-    extra = want - 1  # the roots are paid for up front
     rank = np.argsort(-a if order == "descending_a" else a, kind="stable")
-    ranked = extra[rank]
+    extra = want[rank] - 1  # the roots are paid for up front
     # Requests consume the budget one after another: each gets what it wants, clipped
     # to what the requests before it left over.
-    before = np.cumsum(ranked) - ranked
-    take = np.ones(len(batch), dtype=np.int64)
-    take[rank] += np.clip(budget - len(batch) - before, 0, ranked)
+    before = np.cumsum(extra) - extra
+    take = np.empty(len(batch), dtype=np.int64)
+    take[rank] = np.minimum(extra, np.maximum(budget - len(batch) - before, 0)) + 1
     return take
 
 
@@ -179,27 +184,28 @@ def greedy_prefix(
     batch: TreeBatch, target: np.ndarray, limit: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each tree, the shortest prefix of its greedy order (root included) whose sum
-    of f reaches `target`, at most `limit` nodes: (count int64 [n], reached bool [n])."""
+    of f reaches `target`, at most `limit` nodes.
+
+    Returns (count int64 [n], acc float64 [n, width]) where acc[k, j] is 1 + the sum of
+    f over tree k's first j drafted nodes, added left to right as Algorithm 2 does."""
     width = max(1, int(limit.max()))
-    cols = np.arange(width)
-    f = batch.path_probs_grid().reshape(-1)[batch.cells(batch.greedy_rows()[:, :width])]
-    # Summed left to right from the root's 1.0, as the sequential algorithm adds them.
-    acc = np.cumsum(np.where(cols < limit[:, None], f, 0.0), axis=1)
-    stop = (acc >= target[:, None]) | (cols >= limit[:, None] - 1)
-    count = np.argmax(stop, axis=1) + 1
-    reached = acc[np.arange(len(batch)), count - 1] >= target
-    return count, reached
+    acc = np.cumsum(np.exp(batch.cell_log_f()[batch.cells(batch.greedy_rows()[:, :width])]), axis=1)
+    # acc never decreases (f >= 0), so the nodes needed are the root plus one per
+    # prefix still short of the target.
+    short = np.count_nonzero(acc[:, :-1] < target[:, None], axis=1)
+    return np.minimum(short + 1, limit), acc
 
 
 def prefix_mask(batch: TreeBatch, take: np.ndarray) -> np.ndarray:
     """bool [n, width] grid: the first take[k] >= 1 nodes of each tree's greedy order."""
-    last = batch.greedy_rows()[np.arange(len(batch)), take - 1]
+    last = batch.greedy_rows().reshape(-1)[batch.row_starts() + (take - 1)]
     return batch.greedy_keys() <= last[:, None]
 
 
-def throughput_phase(batch: TreeBatch, mask: np.ndarray, spare: int) -> None:
-    """Adds (in place) the `spare` globally highest-f nodes not yet in `mask`."""
-    k = min(spare, batch.num_nodes - int(np.count_nonzero(mask)))
+def throughput_phase(batch: TreeBatch, mask: np.ndarray, spare: int, taken: int) -> None:
+    """Adds (in place) the `spare` globally highest-f nodes not yet in `mask`, which
+    holds `taken` nodes."""
+    k = min(spare, batch.num_nodes - taken)
     if k <= 0:
         return
     keys = batch.greedy_keys()
@@ -210,15 +216,17 @@ def throughput_phase(batch: TreeBatch, mask: np.ndarray, spare: int) -> None:
 
 def assemble(batch: TreeBatch, mask: np.ndarray, a: np.ndarray, a_cap: np.ndarray) -> Selection:
     """The Selection of the nodes in `mask` (a [n, width] grid)."""
-    _, nodes = np.nonzero(mask)  # row-major: ascending within each tree
-    ends = np.cumsum(np.count_nonzero(mask, axis=1)).tolist()
-    starts = [0, *ends[:-1]]
+    cells = np.flatnonzero(mask)  # ascending: tree by tree, nodes ascending
+    # Every root is selected, so each tree's first selected cell is its root's.
+    starts = np.searchsorted(cells, batch.row_starts())
+    nodes = cells % mask.shape[1]
+    bounds = [*starts.tolist(), cells.shape[0]]
     return Selection(
-        selected=[nodes[s:e] for s, e in zip(starts, ends, strict=True)],
+        selected=[nodes[s:e] for s, e in itertools.pairwise(bounds)],
         a=a,
         a_cap=a_cap,
-        expected_accepted=np.where(mask, batch.path_probs_grid(), 0.0).sum(axis=1),
-        budget_used=int(nodes.shape[0]),
+        expected_accepted=np.add.reduceat(np.exp(batch.cell_log_f()[cells]), starts),
+        budget_used=int(cells.shape[0]),
     )
 
 
@@ -253,27 +261,36 @@ def _progress_arrays(
         tpot = np.asarray(requests.tpot_slo_ms, dtype=np.float64)
     else:
         elapsed, decoded, tpot = _columns(requests)
-    for name, values, ok in (
-        ("tpot_slo_ms", tpot, np.isfinite(tpot) & (tpot > 0)),
-        ("elapsed_ms", elapsed, np.isfinite(elapsed) & (elapsed >= 0)),
-        ("decoded", decoded, np.isfinite(decoded) & (decoded >= 0)),
+    # Whole-array checks first (NaN fails every comparison); locate only on failure.
+    if len(requests) and not (
+        tpot.min() > 0
+        and tpot.max() < np.inf
+        and elapsed.min() >= 0
+        and elapsed.max() < np.inf
+        and decoded.min() >= 0
+        and decoded.max() < np.inf
     ):
-        if not ok.all():
-            k = int(np.argmin(ok))
-            need = "a positive finite number" if name == "tpot_slo_ms" else "finite and >= 0"
-            raise SelectionError(
-                f"requests[{k}].{name}: must be {need}, got {float(values[k])!r} "
-                f"(request {requests[k].id!r})"
-            )
+        for name, values, ok in (
+            ("tpot_slo_ms", tpot, np.isfinite(tpot) & (tpot > 0)),
+            ("elapsed_ms", elapsed, np.isfinite(elapsed) & (elapsed >= 0)),
+            ("decoded", decoded, np.isfinite(decoded) & (decoded >= 0)),
+        ):
+            if not ok.all():
+                k = int(np.argmin(ok))
+                need = "a positive finite number" if name == "tpot_slo_ms" else "finite and >= 0"
+                raise SelectionError(
+                    f"requests[{k}].{name}: must be {need}, got {float(values[k])!r} "
+                    f"(request {requests[k].id!r})"
+                )
     return elapsed, decoded, tpot
 
 
 def _columns(requests: Sequence[RequestProgress]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(requests)
     try:
-        elapsed = np.fromiter((r.elapsed_ms for r in requests), np.float64, n)
-        decoded = np.fromiter((r.decoded for r in requests), np.float64, n)
-        tpot = np.fromiter((r.tpot_slo_ms for r in requests), np.float64, n)
+        elapsed = np.fromiter(map(_ELAPSED, requests), np.float64, n)
+        decoded = np.fromiter(map(_DECODED, requests), np.float64, n)
+        tpot = np.fromiter(map(_TPOT, requests), np.float64, n)
     except (TypeError, ValueError, AttributeError) as exc:
         raise SelectionError(
             f"requests: each needs numeric tpot_slo_ms, elapsed_ms, decoded ({exc})"

@@ -241,6 +241,14 @@ class TreeBatch:
         inside = self.inside()
         return grid.reshape(-1) if inside is None else grid[inside]
 
+    def row_starts(self) -> np.ndarray:
+        """int64 [num_trees]: flat grid index of each tree's root (k * width)."""
+        return self._cached("row_starts", lambda: np.arange(len(self), dtype=np.int64) * self.width)
+
+    def parent_grid(self) -> np.ndarray:
+        """int32 [num_trees, width]: parents on the grid, 0 in the padding."""
+        return self._cached("parent_grid", lambda: self.to_grid(self.parents, 0))
+
     # --- validation ------------------------------------------------------------------
 
     def _check_shape(self) -> None:
@@ -263,7 +271,7 @@ class TreeBatch:
         if self._cache.get("valid") or self.num_nodes == 0:
             return
         self._check_shape()
-        par = self.to_grid(self.parents, 0)
+        par = self.parent_grid()
         if np.any(par[:, 0] != -1):
             k = int(np.argmax(par[:, 0] != -1))
             raise TreeError(
@@ -311,6 +319,10 @@ class TreeBatch:
         """float64 [num_nodes]: f(v); every root is 1.0."""
         return self.from_grid(self.path_probs_grid())
 
+    def cell_log_f(self) -> np.ndarray:
+        """float64 [num_trees * width] (a view): log f by flat grid index."""
+        return self._sweep().real.reshape(-1)
+
     def path_probs_grid(self) -> np.ndarray:
         """float64 [num_trees, width]: f(v), 0.0 in the padding."""
 
@@ -338,21 +350,24 @@ class TreeBatch:
         def compute() -> np.ndarray:
             self.validate()
             n, width = len(self), self.width
-            state = np.add(self.to_grid(self.logprobs, 0.0), 1j, dtype=np.complex128)
-            state[:, 0] = 0.0  # the root is committed already: f = 1, depth 0
+            # Node-major [width, num_trees] while sweeping: a block is one contiguous slab.
+            lp = self.to_grid(self.logprobs, 0.0).T
+            state = np.add(lp, 1j, dtype=np.complex128, order="C")
+            state[0] = 0.0  # the root is committed already: f = 1, depth 0
             if width > 1:
-                par = self.to_grid(self.parents, 0)[:, 1:]
-                cells = par + (np.arange(n, dtype=np.int64) * width)[:, None]
-                flat = state.reshape(-1)
+                par = self.parent_grid()[:, 1:]
                 latest = par.max(axis=0).tolist()  # the latest parent in column j + 1
+                cells = np.multiply(par.T, n, dtype=np.int64, order="C")
+                cells += np.arange(n)  # flat index of each node's parent
+                flat = state.reshape(-1)
                 start = 1
                 while start < width:
                     end = start + 1
                     while end < width and latest[end - 1] < start:
                         end += 1
-                    state[:, start:end] += flat[cells[:, start - 1 : end - 1]]
+                    state[start:end] += flat[cells[start - 1 : end - 1]]
                     start = end
-            return state
+            return np.ascontiguousarray(state.T)
 
         return self._cached("sweep", compute)
 
