@@ -1,0 +1,259 @@
+"""Drafter side: batched beam-search speculation (AdaServe paper section 4.3, step 1).
+
+Per request the drafter keeps only committed draft KV plus `pending`: tokens the
+engine committed that are not in the draft KV yet (their last one is the root). One
+`speculate` call:
+
+* step 1 forwards every request's pending chain in one batch and expands each root
+  into its top-w children by log q;
+* step j = 2..d forwards the n*w frontier tokens in one batch (scratch nodes hanging
+  off their beam parents) and keeps, per request, the top-w of the w*|V| children by
+  path log-probability: log_softmax, add the parent's path log-prob, top-k over
+  [n, w*V];
+* afterwards the pending chain is committed and every beam node is dropped, so
+  speculative KV only ever lives in the runner's scratch for the call.
+
+Each request gets a beam tree: root (the last committed token) then d layers of w
+nodes, 1 + d*w nodes, layer j's nodes at 1 + (j-1)*w ... j*w, conditional log q per
+node, parents topologically ordered.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from adaserve.tree import CandidateTree
+
+# Conditional log-probs are floored here so trees stay finite when the drafter gives a
+# token zero probability (f = exp(-1e4) is 0 for selection anyway).
+_LOGQ_FLOOR = -1.0e4
+
+
+@dataclass(frozen=True)
+class DraftUpdate:
+    id: str
+    new_tokens: np.ndarray  # int32: tokens committed since the last call (first call: all)
+    total_len: int  # committed length after applying new_tokens (drift check)
+
+
+class DrafterStateLost(RuntimeError):
+    """The drafter has no (or inconsistent) state for `ids`: the engine re-sends those
+    requests' full token history. Raised before any request's state changes."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.ids = list(ids)
+        super().__init__(f"drafter state lost for {len(self.ids)} request(s): {self.ids[:8]}")
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    num_sequences: int  # requests holding draft state
+    kv_usage: float  # fraction of the draft KV cache in use, 0..1
+
+
+class Drafter(Protocol):
+    def speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int
+    ) -> list[CandidateTree]: ...
+
+    def release(self, ids: list[str]) -> None: ...
+
+
+class BeamDrafter:
+    """Drafter over a `ModelRunner` (the draft model).
+
+    `draft_to_target` (int64 [V_draft]) maps the rows of a reduced draft LM head to
+    target token ids; by default it is taken from `runner.draft_to_target` when the
+    runner has one, else the head is the target vocabulary itself.
+    """
+
+    def __init__(self, runner, draft_to_target: torch.Tensor | np.ndarray | None = None) -> None:
+        self.runner = runner
+        if draft_to_target is None:
+            draft_to_target = getattr(runner, "draft_to_target", None)
+        self._d2t = (
+            None
+            if draft_to_target is None
+            else torch.as_tensor(np.asarray(draft_to_target), dtype=torch.int64).to(runner.device)
+        )
+        self._pending: dict[str, np.ndarray] = {}  # int32: known, not yet in the draft KV
+        self._last_rows = _last_rows_kwarg(runner)
+
+    # -- protocol --------------------------------------------------------------------
+
+    def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
+        if depth < 0 or width < 1:
+            raise ValueError(f"speculate: need depth >= 0 and width >= 1, got {depth}, {width}")
+        ids = [u.id for u in updates]
+        if len(set(ids)) != len(ids):
+            raise ValueError("speculate: a request appears twice in one call")
+        news = [np.asarray(u.new_tokens, dtype=np.int32).reshape(-1) for u in updates]
+        self._check_consistent(updates, news)
+
+        # Full histories (first call, or a resync after DrafterStateLost) start afresh.
+        fresh = {u.id for u, new in zip(updates, news, strict=True) if new.shape[0] == u.total_len}
+        for sid in fresh:
+            self._drop(sid)
+            self.runner.add_sequence(sid)
+            self._pending[sid] = np.zeros(0, dtype=np.int32)
+        chains = {
+            u.id: np.concatenate([self._pending[u.id], new])
+            for u, new in zip(updates, news, strict=True)
+        }
+        roots = [int(chains[u.id][-1]) for u in updates]
+        limit = int(getattr(self.runner, "max_model_len", 1 << 62))
+        # Requests whose draft steps would run past the drafter's context stay root-only.
+        active = [u for u in updates if depth > 0 and u.total_len + depth <= limit]
+        layers = None
+        try:
+            if active:
+                layers = self._beam_search(active, chains, depth, width)
+        except BaseException:
+            for u in active:
+                if u.id not in fresh:
+                    self.runner.commit(u.id, [])  # drop this call's scratch only
+            for sid in fresh:  # never half-built: the engine re-sends these in full
+                self._drop(sid)
+            raise
+        for u in active:
+            self.runner.commit(u.id, range(chains[u.id].shape[0]))
+            chains[u.id] = np.zeros(0, dtype=np.int32)
+        self._pending.update(chains)
+
+        row = {u.id: i for i, u in enumerate(active)}
+        trees = []
+        for u, root in zip(updates, roots, strict=True):
+            if layers is not None and u.id in row:
+                i = row[u.id]
+                trees.append(_beam_tree(root, layers[0][i], layers[1][i], layers[2][i], width))
+            else:
+                trees.append(CandidateTree.root_only(root))
+        return trees
+
+    def release(self, ids: list[str]) -> None:
+        for sid in ids:
+            self._drop(sid)
+
+    def stats(self) -> DrafterStats:
+        return DrafterStats(len(self._pending), float(self.runner.kv_usage()))
+
+    # -- internals -------------------------------------------------------------------
+
+    def _check_consistent(self, updates: list[DraftUpdate], news: list[np.ndarray]) -> None:
+        lost = []
+        for u, new in zip(updates, news, strict=True):
+            if u.total_len < 1 or new.shape[0] > u.total_len:
+                raise ValueError(
+                    f"speculate({u.id!r}): total_len {u.total_len} with {new.shape[0]} new tokens"
+                )
+            if new.shape[0] == u.total_len:
+                continue  # a full history is always consistent
+            pending = self._pending.get(u.id)
+            if pending is None:
+                lost.append(u.id)
+                continue
+            have = self.runner.committed_len(u.id) + pending.shape[0]
+            # With nothing pending and nothing new, the root's draft distribution (its KV
+            # is committed already) cannot be recomputed: resync instead.
+            if have + new.shape[0] != u.total_len or pending.shape[0] + new.shape[0] == 0:
+                lost.append(u.id)
+        if lost:
+            for sid in lost:
+                self._drop(sid)  # stale: the resync rebuilds it
+            raise DrafterStateLost(lost)
+
+    def _drop(self, sid: str) -> None:
+        self._pending.pop(sid, None)
+        self.runner.free(sid)
+
+    def _forward_last(self, inputs) -> torch.Tensor:
+        """Logits of each input's last node only: step 1 needs nothing else, and the LM
+        head dominates a small drafter's cost."""
+        if self._last_rows == "last_only":
+            return self.runner.forward(inputs, last_only=True)
+        rows = np.cumsum([len(x.tokens) for x in inputs]) - 1
+        if self._last_rows == "logits_indices":
+            return self.runner.forward(inputs, logits_indices=rows.tolist())
+        return self.runner.forward(inputs)[torch.as_tensor(rows, device=self.runner.device)]
+
+    @torch.inference_mode()
+    def _beam_search(
+        self, active: list[DraftUpdate], chains: dict[str, np.ndarray], depth: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per active request: target token ids, beam-parent index and conditional log q
+        of every layer, as [n, depth, width] CPU tensors (beam parent: index of the
+        parent within the previous layer; layer 0's is 0 = the root)."""
+        from adaserve.model.runner import SeqInput
+
+        n = len(active)
+        logits = self._forward_last([SeqInput.chain(u.id, chains[u.id]) for u in active])
+        vocab = logits.shape[-1]
+        if width > vocab:
+            raise ValueError(f"speculate: width {width} exceeds the draft vocabulary ({vocab})")
+        logq = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+        cond, draft_ids = logq.topk(width, dim=-1)  # [n, w]
+        path = cond.clone()
+        beam_parent = torch.zeros(n, width, dtype=torch.int64, device=logq.device)
+        out_ids, out_par, out_cond = [draft_ids], [beam_parent], [cond]
+        base = np.array([chains[u.id].shape[0] for u in active], dtype=np.int64)  # root + 1
+        for j in range(1, depth):
+            frontier = self._to_target(draft_ids).cpu().numpy().astype(np.int32)  # [n, w]
+            par = out_par[-1].cpu().numpy()
+            # Scratch index of each frontier node's parent: the root for layer 1, else
+            # the parent's slot in the previous layer (layers follow the chain in order).
+            if j == 1:
+                parents = np.broadcast_to((base - 1)[:, None], (n, width))
+            else:
+                parents = base[:, None] + (j - 2) * width + par
+            inputs = [
+                SeqInput(u.id, frontier[i], parents[i].astype(np.int32))
+                for i, u in enumerate(active)
+            ]
+            logq = torch.log_softmax(self.runner.forward(inputs).float(), dim=-1)
+            logq = logq.view(n, width, vocab)
+            scores = (path[:, :, None] + logq).view(n, width * vocab)
+            path, flat = scores.topk(width, dim=-1)  # [n, w]
+            beam_parent = flat // vocab
+            draft_ids = flat % vocab
+            cond = logq[torch.arange(n, device=logq.device)[:, None], beam_parent, draft_ids]
+            out_ids.append(draft_ids)
+            out_par.append(beam_parent)
+            out_cond.append(cond)
+        ids = self._to_target(torch.stack(out_ids, dim=1)).cpu()
+        return ids, torch.stack(out_par, dim=1).cpu(), torch.stack(out_cond, dim=1).cpu()
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self._d2t is None else self._d2t[draft_ids]
+
+
+def _beam_tree(root: int, ids: torch.Tensor, par: torch.Tensor, cond: torch.Tensor, width: int):
+    """The CandidateTree of one request from its [depth, width] layer tensors."""
+    depth = ids.shape[0]
+    layer_start = 1 + np.arange(depth, dtype=np.int64)[:, None] * width  # first node of layer
+    parents = np.where(
+        np.arange(depth)[:, None] == 0, 0, layer_start - width + par.numpy()
+    )  # layer 0 hangs off the root
+    tokens = np.concatenate([[root], ids.numpy().reshape(-1)])
+    logprobs = np.concatenate([[0.0], cond.numpy().reshape(-1).clip(_LOGQ_FLOOR, 0.0)])
+    return CandidateTree.build(
+        tokens, np.concatenate([[-1], parents.reshape(-1)]), logprobs, validate=False
+    )
+
+
+def _last_rows_kwarg(runner) -> str | None:
+    """How this runner restricts logits to chosen rows: `last_only=True`, the
+    contract's `logits_indices`, or not at all (then rows are picked afterwards)."""
+    try:
+        params = inspect.signature(runner.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    for name in ("logits_indices", "last_only"):
+        if name in params:
+            return name
+    return None
