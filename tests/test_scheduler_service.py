@@ -277,6 +277,7 @@ def test_unreachable_service_is_a_connection_error() -> None:
 
 
 def test_health_serving(server: BackgroundServer) -> None:
+    assert type(server.loop).__module__.startswith("uvloop")
     with insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", SERVICE_NAME):

@@ -125,8 +125,8 @@ class BackgroundServer:
 
     def __init__(self, make_server: Callable[[], GrpcServer]) -> None:
         self._make_server = make_server
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.loop = new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._server: GrpcServer | None = None
         self.port = 0
 
@@ -138,10 +138,10 @@ class BackgroundServer:
     def stop(self, grace_s: float = 0.5) -> None:
         if self._server is not None:
             self._call(self._server.stop(grace_s))
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         with contextlib.suppress(RuntimeError):
-            self._loop.close()
+            self.loop.close()
 
     @property
     def address(self) -> str:
@@ -159,4 +159,4 @@ class BackgroundServer:
         return await self._server.start()
 
     def _call(self, coro):  # type: ignore[no-untyped-def]
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
