@@ -284,7 +284,7 @@ class Engine:
         t3 = self.clock()
         for r, tree, res in zip(batch, selected, results, strict=True):
             self._record_spec(tree, res.accepted_nodes)
-            self._apply(r, list(res.emitted_tokens), t3)
+            self._apply(r, res.emitted_tokens.tolist(), t3)
         self._observe_iteration(batch, selected, t0, t1, t2, t3)
 
     # ---- iteration phases ----------------------------------------------------------

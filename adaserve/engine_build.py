@@ -31,7 +31,7 @@ def build_engine(settings: Settings) -> Engine:
         tp=ms.tp,
         kv_memory_gb=settings.engine.kv_memory_gb,
         kv_blocks=settings.engine.kv_blocks,
-        block_size=settings.engine.kv_block_size,
+        kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
     )
     tokenizer = load_tokenizer(target_dir)
@@ -53,21 +53,20 @@ def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter
         return GrpcDrafter(
             settings.services.drafter, timeout_s=settings.engine.speculation_timeout_ms / 1000.0
         )
-    if not settings.model.drafter:
+    if not settings.model.drafter or settings.model.drafter == "none":
         return None
     from adaserve.model.loader import load_runner, resolve_model
 
     ms = settings.model
-    drafter_dir = resolve_model(ms.drafter, role="drafter", target=target_dir)
     runner = load_runner(
-        drafter_dir,
+        resolve_model(ms.drafter, role="drafter"),
         device=ms.device,
         dtype=ms.dtype,
+        role="drafter",
         tp=1,
         kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
-        block_size=settings.engine.kv_block_size,
+        kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
-        target_dir=target_dir,
     )
     return BeamDrafter(runner)
 
