@@ -136,7 +136,7 @@ def test_commit_branch_then_continue(tiny_llama_dir: Path) -> None:
     torch.testing.assert_close(got, _hf_last(hf, [*history, nxt]), atol=ATOL, rtol=0)
 
 
-def test_last_only_returns_each_sequences_last_row(tiny_llama_dir: Path) -> None:
+def test_logits_for_chosen_rows_only(tiny_llama_dir: Path) -> None:
     runner = _runner(tiny_llama_dir)
     for sid in "ab":
         runner.add_sequence(sid)
@@ -146,6 +146,15 @@ def test_last_only_returns_each_sequences_last_row(tiny_llama_dir: Path) -> None
     runner.commit("b", [])
     last = runner.forward([a, b], last_only=True)
     torch.testing.assert_close(last, full[[2, 4]], atol=1e-5, rtol=0)
+    runner.commit("a", [])
+    runner.commit("b", [])
+    picked = runner.forward([a, b], logits_indices=[4, 0])
+    torch.testing.assert_close(picked, full[[4, 0]], atol=1e-5, rtol=0)
+    runner.commit("a", [])
+    runner.commit("b", [])
+    with pytest.raises(ValueError, match="logits_indices"):
+        runner.forward([a, b], logits_indices=[5])
+    assert runner.scratch_len("a") == 0
 
 
 def test_bad_inputs_are_rejected_without_side_effects(tiny_llama_dir: Path) -> None:
@@ -180,3 +189,14 @@ def test_max_model_len_is_enforced(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         runner.forward([SeqInput.chain("s", list(range(9)))])
     runner.forward([SeqInput.chain("s", list(range(8)))])
+
+
+def test_capacity_accounting(tiny_llama_dir: Path) -> None:
+    runner = _runner(tiny_llama_dir, kv_blocks=8, kv_block_size=4, max_model_len=64)
+    assert runner.can_allocate(32) and not runner.can_allocate(33)
+    assert runner.can_reserve(28) and not runner.can_reserve(29)  # one block of slack
+    runner.add_sequence("s")
+    runner.forward([SeqInput.chain("s", list(range(10)))])
+    runner.commit("s", range(10))
+    assert runner.kv_usage() == 3 / 8
+    assert runner.can_allocate(20) and not runner.can_allocate(21)

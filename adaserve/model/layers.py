@@ -147,12 +147,14 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits for this rank's vocab slice, all-gathered along the vocab axis. Shares
-    the embedding's weight when the model ties them."""
+    the embedding's weight when the model ties them. `rows` may differ from the input
+    vocab (a drafter's reduced draft vocabulary)."""
 
     def __init__(
         self,
         embed: VocabParallelEmbedding,
         tied: bool,
+        rows: int,
         dim: int,
         tp: TPGroup,
         dtype: torch.dtype,
@@ -160,8 +162,12 @@ class ParallelLMHead(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.start, self.stop = embed.start, embed.stop
-        self.weight = embed.weight if tied else _param((self.stop - self.start, dim), dtype, device)
+        if tied:
+            self.start, self.stop = embed.start, embed.stop
+            self.weight = embed.weight
+        else:
+            self.start, self.stop = tp.split(rows, "LM head rows")
+            self.weight = _param((self.stop - self.start, dim), dtype, device)
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.copy_(weight[self.start : self.stop])

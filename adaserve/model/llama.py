@@ -115,7 +115,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, max_len: int, tp: TPGroup, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        max_len: int,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        head_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -126,7 +132,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(
-            self.embed, cfg.tie_word_embeddings, cfg.hidden_size, tp, dtype, device
+            self.embed,
+            cfg.tie_word_embeddings,
+            head_rows or cfg.vocab_size,
+            cfg.hidden_size,
+            tp,
+            dtype,
+            device,
         )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, dtype, device)
 

@@ -6,12 +6,15 @@ Nothing is fetched from a hub: every path is local, and transformers is called w
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from adaserve.model import draft_assets
 from adaserve.model.attention import make_backend
 from adaserve.model.config import ModelConfig, UnsupportedModelError
 from adaserve.model.embedded import ModelNotFoundError, converted_dir, embedded_gguf
@@ -19,7 +22,7 @@ from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.layers import TPGroup
 from adaserve.model.llama import LlamaModel
 from adaserve.model.runner import ModelRunner
-from adaserve.model.weights import WeightSource
+from adaserve.model.weights import WeightSource, load_state
 
 if TYPE_CHECKING:
     from adaserve.model.tp import TPRunner
@@ -151,6 +154,9 @@ def build_runner(
     """Build this rank's runner from a resolved HF directory."""
     cfg = ModelConfig.from_dir(path)
     tp.split(cfg.num_kv_heads, f"{path}: num_key_value_heads")
+    src, head_rows, d2t = _weights(path, cfg)
+    if d2t is not None:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     kv_heads = cfg.num_kv_heads // tp.size
     if kv_blocks is None:
         per_block = kv_block_size * KVStorage.bytes_per_token(
@@ -160,8 +166,8 @@ def build_runner(
     capacity = kv_blocks * kv_block_size
     max_len = max_model_len or min(cfg.max_position_embeddings, capacity)
     cfg.check_context(max_len)
-    model = LlamaModel(cfg, max_len, tp, dtype, device)
-    with WeightSource(path) as src:
+    model = LlamaModel(cfg, max_len, tp, dtype, device, head_rows=head_rows)
+    with src:
         model.load_weights(src)
     model.eval()
     storage = KVStorage(
@@ -171,7 +177,23 @@ def build_runner(
     backend = make_backend(
         attention_backend, cfg.num_heads // tp.size, kv_heads, cfg.head_dim, device
     )
-    return ModelRunner(model, cfg, cache, backend, device, dtype, max_len)
+    runner = ModelRunner(model, cfg, cache, backend, device, dtype, max_len)
+    runner.draft_to_target = None if d2t is None else d2t.to(device)
+    return runner
+
+
+def _weights(path: Path, cfg: ModelConfig) -> tuple[WeightSource, int | None, torch.Tensor | None]:
+    """The checkpoint, completed in memory when it is a distilled drafter (which borrows
+    the target's embedding and may carry a reduced draft vocabulary, see
+    draft_assets.py). Returns (source, LM head rows or None, draft->target ids or None)."""
+    raw = json.loads((path / "config.json").read_text())
+    if not draft_assets.is_distilled_drafter(raw):
+        return WeightSource(path), None, None
+    try:
+        state, d2t = draft_assets.complete_state_dict(path, raw, load_state(path))
+    except ValueError as exc:
+        raise UnsupportedModelError(str(exc)) from exc
+    return WeightSource(path, state), int(state[draft_assets.HEAD_KEY].shape[0]), d2t
 
 
 def load_tokenizer(spec: str | os.PathLike, role: str = "target") -> Any:

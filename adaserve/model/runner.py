@@ -60,7 +60,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
-        self.vocab_size = config.vocab_size
+        self.vocab_size = config.vocab_size  # input ids; logits have lm_head rows
+        # int64 [V_draft]: target id of each logit column for a reduced-vocab drafter
+        self.draft_to_target: torch.Tensor | None = None
 
     # -- sequence lifecycle ------------------------------------------------------------
 
@@ -83,7 +85,14 @@ class ModelRunner:
         self.cache.free(seq_id)
 
     def can_allocate(self, num_tokens: int) -> bool:
+        """Whether one new sequence of `num_tokens` fits in the free blocks right now."""
         return self.cache.can_allocate(num_tokens)
+
+    def can_reserve(self, total_tokens: int) -> bool:
+        """Whether the cache could hold `total_tokens` spread over the current sequences
+        plus one more (one partly filled block each is the worst-case rounding)."""
+        slack = (len(self.cache.seqs) + 1) * self.cache.block_size
+        return total_tokens + slack <= self.cache.allocator.num_blocks * self.cache.block_size
 
     def kv_usage(self) -> float:
         return self.cache.usage()
@@ -94,13 +103,26 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, inputs: list[SeqInput], *, last_only: bool = False) -> torch.Tensor:
-        """Logits float32 [sum k, vocab] for every new node (packed in input order), or
-        [len(inputs), vocab] for each sequence's last new node with `last_only`.
+    def forward(
+        self,
+        inputs: list[SeqInput],
+        logits_indices: Sequence[int] | None = None,
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits float32 [sum k, vocab] for every new node (packed in input order);
+        with `logits_indices` only those rows of the packed new nodes, with `last_only`
+        each sequence's last new node ([len(inputs), vocab]). Skipping rows skips
+        their LM head, which dominates a small model's cost.
 
         Raises KVCacheFull (nothing changed) when the new nodes do not fit, and
         ValueError / KeyError on malformed input (nothing changed)."""
         self._validate(inputs)
+        if logits_indices is not None:
+            total = sum(len(x.tokens) for x in inputs)
+            idx = np.asarray(logits_indices)
+            if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= total)):
+                raise ValueError(f"forward: logits_indices must be in [0, {total})")
         self.cache.reserve({x.seq_id: len(x.tokens) for x in inputs})
         bs = self.cache.block_size
         positions, slot_mapping, kv_slots, visible, tables = [], [], [], [], []
@@ -129,6 +151,8 @@ class ModelRunner:
         rows = None
         if last_only:
             rows = torch.from_numpy(np.cumsum(batch.query_lens) - 1).to(dev)
+        elif logits_indices is not None:
+            rows = torch.as_tensor(np.asarray(logits_indices, dtype=np.int64), device=dev)
         logits = self.model(ids.to(dev), pos.to(dev), self.backend, self.cache.storage, meta, rows)
         return logits.float()
 

@@ -15,9 +15,12 @@ from adaserve.model.config import UnsupportedModelError
 
 
 class WeightSource:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Tensors from the checkpoint files in `path`, or from `tensors` when given (a
+        state dict completed in memory, e.g. a distilled drafter's)."""
         self.path = Path(path)
-        self._where = _index(self.path)
+        self._tensors = tensors
+        self._where = {k: "" for k in tensors} if tensors is not None else _index(self.path)
         self._stack = ExitStack()
         self._open: dict[str, object] = {}
 
@@ -38,6 +41,8 @@ class WeightSource:
             file = self._where[name]
         except KeyError:
             raise UnsupportedModelError(f"{self.path}: checkpoint has no tensor {name!r}") from None
+        if self._tensors is not None:
+            return self._tensors[name]
         handle = self._open.get(file)
         if handle is None:
             handle = self._stack.enter_context(
@@ -45,6 +50,12 @@ class WeightSource:
             )
             self._open[file] = handle
         return handle.get_tensor(name)
+
+
+def load_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, in memory."""
+    with WeightSource(path) as src:
+        return {name: src.get(name) for name in sorted(src.names())}
 
 
 def _index(path: Path) -> dict[str, str]:
