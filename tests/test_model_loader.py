@@ -146,3 +146,16 @@ def test_distilled_drafter_borrows_target_embedding(tiny_llama_dir: Path, tmp_pa
         hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]
     ref = hidden @ embed[d2t].T
     np.testing.assert_allclose(got.numpy(), ref.numpy(), atol=1e-4)
+
+
+def test_embedded_drafter_hook() -> None:
+    """`embedded` as a drafter is the shipped distilled drafter, or a clear error."""
+    from adaserve.model.loader import DRAFTER_ASSET
+
+    if (DRAFTER_ASSET / "config.json").is_file():
+        assert resolve_model("embedded", role="drafter") == DRAFTER_ASSET
+    else:
+        with pytest.raises(ModelNotFoundError, match="no trained drafter"):
+            resolve_model("embedded", role="drafter")
+    with pytest.raises(ValueError, match="role"):
+        resolve_model("embedded", role="critic")
