@@ -46,7 +46,7 @@ def generate(
     depth: int = 0,
     width: int = 1,
     budget: Callable[[int, np.random.Generator], int] | None = None,
-    sp: SamplingParams | None = None,
+    sp: SamplingParams | dict[str, SamplingParams] | None = None,
     rngs: dict[str, TokenRng] | None = None,
     seed: int = 0,
     free: bool = True,
@@ -57,6 +57,7 @@ def generate(
     (plain decoding). `budget(n, rng)` picks the verifier budget each step (>= n).
     """
     sp = sp or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sps = sp if isinstance(sp, dict) else {i: sp for i in prompts}
     rng = np.random.default_rng(seed)
     rngs = rngs if rngs is not None else {}
     ids = list(prompts)
@@ -97,7 +98,7 @@ def generate(
         )
         caps = [max_tokens - len(out[i]) for i in live]
         results = verify_batch(
-            selected, logits, [sp] * len(live), [rngs.get(i) for i in live], max_new=caps
+            selected, logits, [sps[i] for i in live], [rngs.get(i) for i in live], max_new=caps
         )
         stats.steps += 1
         for i, t, res in zip(live, selected, results, strict=True):
