@@ -8,6 +8,7 @@ every token decodes to printable text, so outputs compare as strings.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -60,23 +61,30 @@ def make_served_model(path: Path, seed: int = 0, **overrides: object) -> Path:
 
 
 def greedy_reference(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """The target's own greedy continuation (Hugging Face, no adaserve code), eos
-    excluded, as the oracle for end-to-end outputs."""
+    """The target's own greedy continuation (Hugging Face, no adaserve code), ending
+    with eos if it was generated (the engine streams and counts eos too, as vLLM)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_model(str(model_dir))
     ids = list(prompt_ids)
     out: list[int] = []
     with torch.no_grad():
         for _ in range(max_tokens):
             logits = model(torch.tensor([ids])).logits[0, -1]
             tok = int(torch.argmax(logits))
-            if tok == IM_END:
-                break
             out.append(tok)
             ids.append(tok)
+            if tok == IM_END:
+                break
     return out
+
+
+@functools.cache
+def _hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def free_port() -> int:
@@ -146,3 +154,48 @@ def wait_http(url: str, proc: Proc | None = None, timeout: float = 60.0, status:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer {status} within {timeout} s")
+
+
+TEST_CONFIG = """\
+engine:
+  kv_memory_gb: 0.05
+  max_running: 8
+  max_queue: 8
+slo:
+  baseline_tpot_ms: 20.0
+"""
+
+
+def start_verifier(
+    workdir: Path,
+    target: Path,
+    drafter: Path | None,
+    config: str = TEST_CONFIG,
+    name: str = "verifier",
+) -> tuple[Proc, str]:
+    """A verifier process on a free port, serving (model loaded) when this returns."""
+    cfg = workdir / f"{name}.yaml"
+    cfg.write_text(config)
+    port = free_port()
+    args = [
+        "verifier",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--target",
+        str(target),
+        "--served-model-name",
+        "tiny",
+        "--config",
+        str(cfg),
+    ]
+    args += ["--drafter", str(drafter)] if drafter is not None else ["--drafter", "none"]
+    proc = Proc(args, workdir / f"{name}.log")
+    addr = f"127.0.0.1:{port}"
+    try:
+        wait_grpc_serving(addr, proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, addr

@@ -1,0 +1,441 @@
+"""End to end through the official `openai` package: a gateway process in front of a
+verifier process (tiny random target, in-process tiny drafter, real tokenizer and chat
+template). Greedy outputs equal the target's own greedy output (Hugging Face as the
+oracle), streams deliver every token once and in order, usage is right, mixed SLOs run
+concurrently, a vanished client frees the request's state, and the gRPC front serves
+the same API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from adaserve.rpc.v1 import gateway_pb2 as gpb
+from adaserve.rpc.v1 import gateway_pb2_grpc as ggrpc
+from adaserve.rpc.v1 import verifier_pb2 as vpb
+from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
+from tests._serving import (
+    IM_END,
+    Proc,
+    free_port,
+    greedy_reference,
+    make_served_model,
+    start_verifier,
+    wait_http,
+)
+
+pytestmark = pytest.mark.slow  # two serving processes per module
+
+
+@dataclass
+class Stack:
+    url: str  # gateway base URL
+    grpc_address: str  # gateway gRPC front
+    verifier: vgrpc.VerifierStub
+    verifier_proc: Proc
+    target: Path
+    tokenizer: object
+
+    def client(self, **kw: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kw)
+
+    def reference(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        return greedy_reference(self.target, prompt_ids, max_tokens)
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def wait_idle(self, timeout: float = 10.0) -> vpb.VerifierStatsResponse:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.verifier.Stats(vpb.VerifierStatsRequest())
+            if (s.num_requests == 0 and s.kv_usage == 0.0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("e2e")
+    target = make_served_model(root / "target", seed=0)
+    drafter = make_served_model(root / "drafter", seed=1)
+    vproc, vaddr = start_verifier(root, target, drafter)
+    port, gport = free_port(), free_port()
+    cfg = root / "gateway.yaml"
+    cfg.write_text("gateway:\n  health_interval_s: 0.5\n")
+    gproc = Proc(
+        [
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(gport),
+            "--verifier",
+            vaddr,
+            "--config",
+            str(cfg),
+        ],
+        root / "gateway.log",
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ready", gproc)
+        with grpc.insecure_channel(vaddr) as channel:
+            yield Stack(
+                f"http://127.0.0.1:{port}",
+                f"127.0.0.1:{gport}",
+                vgrpc.VerifierStub(channel),
+                vproc,
+                target,
+                AutoTokenizer.from_pretrained(target),
+            )
+    finally:
+        gproc.stop()
+        vproc.stop()
+
+
+def _finish(ref: list[int]) -> str:
+    return "stop" if ref and ref[-1] == IM_END else "length"
+
+
+def test_models(stack: Stack) -> None:
+    models = stack.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_greedy_equals_target(stack: Stack) -> None:
+    prompt = "Once upon a time"
+    out = stack.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=30, temperature=0
+    )
+    ids = stack.tokenizer.encode(prompt)
+    ref = stack.reference(ids, 30)
+    assert out.choices[0].text == stack.text(ref)
+    assert out.choices[0].finish_reason == _finish(ref)
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(ref)
+    assert out.usage.total_tokens == len(ids) + len(ref)
+
+
+def test_chat_greedy_equals_target(stack: Stack) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    out = stack.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=25, temperature=0, seed=7
+    )
+    ids = stack.chat_ids(messages)
+    ref = stack.reference(ids, 25)
+    msg = out.choices[0].message
+    assert (msg.role, msg.content) == ("assistant", stack.text(ref))
+    assert out.choices[0].finish_reason == _finish(ref)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref))
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streaming_equals_non_streaming(stack: Stack, kind: str) -> None:
+    client = stack.client()
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    args = dict(model="tiny", max_tokens=40, temperature=0)
+    if kind == "chat":
+        whole = client.chat.completions.create(messages=messages, **args)
+        stream = client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **args
+        )
+        expected = whole.choices[0].message.content
+    else:
+        whole = client.completions.create(prompt="Tell me a story.", **args)
+        stream = client.completions.create(
+            prompt="Tell me a story.",
+            stream=True,
+            stream_options={"include_usage": True},
+            **args,
+        )
+        expected = whole.choices[0].text
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.model_dump() == whole.usage.model_dump()
+    content = chunks[:-1]
+    assert all(c.usage is None for c in content)
+    if kind == "chat":
+        assert content[0].choices[0].delta.role == "assistant"
+        pieces = [c.choices[0].delta.content or "" for c in content]
+    else:
+        pieces = [c.choices[0].text for c in content]
+    assert "".join(pieces) == expected
+    reasons = [c.choices[0].finish_reason for c in content]
+    assert reasons[-1] == whole.choices[0].finish_reason
+    assert all(r is None for r in reasons[:-1])
+
+
+def test_sse_wire_format(stack: Stack) -> None:
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    frames = raw.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    for frame in frames[:-2]:
+        assert frame.startswith("data: ")
+        assert json.loads(frame[len("data: ") :])["object"] == "text_completion"
+
+
+def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
+    ids = stack.tokenizer.encode("Hello there")
+    ref = stack.reference(ids, 60)
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        stub = ggrpc.GatewayStub(ch)
+        req = gpb.CompleteRequest(
+            options=gpb.RequestOptions(
+                model="tiny", max_tokens=60, temperature=0, request_id="grpc-1"
+            ),
+            token_ids=vpb.TokenIds(ids=ids),
+        )
+        chunks = list(stub.Complete(req, timeout=60))
+        assert [t for c in chunks for t in c.token_ids] == ref
+        assert {c.id for c in chunks} == {"cmpl-grpc-1"}
+        last = chunks[-1]
+        assert last.usage.completion_tokens == len(ref)
+        assert last.finish_reason in (vpb.FINISH_REASON_STOP, vpb.FINISH_REASON_LENGTH)
+        assert stub.ListModels(gpb.ListModelsRequest()).models == ["tiny"]
+
+        chat = gpb.ChatCompleteRequest(
+            options=gpb.RequestOptions(max_tokens=20, temperature=0),
+            messages=[vpb.ChatMessage(role="user", content="Hi")],
+        )
+        got = [t for c in stub.ChatComplete(chat, timeout=60) for t in c.token_ids]
+        assert got == stack.reference(stack.chat_ids([{"role": "user", "content": "Hi"}]), 20)
+
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stub.Complete(
+                    gpb.CompleteRequest(options=gpb.RequestOptions(model="nope"), text="x"),
+                    timeout=10,
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stub.Complete(
+                    gpb.CompleteRequest(options=gpb.RequestOptions(max_tokens=-4), text="x"),
+                    timeout=10,
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_request_id_and_priority(stack: Stack) -> None:
+    raw = stack.client().completions.with_raw_response.create(
+        model="tiny", prompt="abc", max_tokens=3, extra_body={"request_id": "r-42", "priority": 5}
+    )
+    assert raw.headers["x-request-id"] == "r-42"
+    assert raw.parse().id == "cmpl-r-42"
+
+
+def test_bad_input_through_the_unit(stack: Stack) -> None:
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x" * 600, max_tokens=4)
+    assert "context" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="abc", max_tokens=510)
+    assert "context" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="gpt-4", prompt="abc")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="")
+    assert stack.wait_idle().num_requests == 0
+
+
+def test_mixed_slo_batch_completes_concurrently(stack: Stack) -> None:
+    cases = [
+        ("coding", {"extra_body": {"slo_class": "coding"}}, 16),
+        ("chat", {"extra_body": {"slo_class": "chat"}}, 6),
+        ("summarize", {"extra_body": {"slo_class": "summarize"}}, 24),
+        ("custom", {"extra_body": {"tpot_slo_ms": 35.5}}, 10),
+        ("custom", {"extra_headers": {"x-slo-tpot-ms": "90"}}, 12),
+        ("chat", {}, 20),  # the default class
+    ]
+    prompts = [f"Request number {i}:" for i in range(len(cases))]
+    peak = 0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, stack.verifier.Stats(vpb.VerifierStatsRequest()).running)
+            time.sleep(0.01)
+
+    async def run_all() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0)
+        calls = [
+            client.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=n,
+                temperature=0,
+                extra_body={"ignore_eos": True, **kw.get("extra_body", {})},
+                extra_headers=kw.get("extra_headers"),
+            )
+            for p, (_, kw, n) in zip(prompts, cases, strict=True)
+        ]
+        return await asyncio.gather(*calls)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outs = asyncio.run(run_all())
+    finally:
+        done.set()
+        watcher.join()
+    assert peak >= 2, "requests did not share the decode batch"
+    for p, (_, _, n), out in zip(prompts, cases, outs, strict=True):
+        ids = stack.tokenizer.encode(p)
+        assert out.usage.completion_tokens == n
+        assert out.choices[0].finish_reason == "length"
+        assert out.choices[0].text == stack.text(greedy_reference_ignoring_eos(stack, ids, n))
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    for cls in ("coding", "chat", "summarize", "custom"):
+        assert f'adaserve_gateway_slo_requests_total{{slo_class="{cls}"}}' in metrics
+
+
+def greedy_reference_ignoring_eos(stack: Stack, ids: list[int], n: int) -> list[int]:
+    """ignore_eos: the target's greedy tokens, eos included as an ordinary token."""
+    import torch
+
+    from tests._serving import _hf_model
+
+    model = _hf_model(str(stack.target))
+    seq, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(torch.argmax(model(torch.tensor([seq])).logits[0, -1]))
+            out.append(tok)
+            seq.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_state(stack: Stack, stream: bool) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "Go on and on",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert stack.verifier.Stats(vpb.VerifierStatsRequest()).num_requests == 1
+        else:  # a non-streaming client that gives up
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{stack.url}/v1/completions", json=body, timeout=0.5)
+    stats = stack.wait_idle()
+    assert (stats.num_requests, stats.running, stats.kv_usage) == (0, 0, 0.0)
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    assert "adaserve_gateway_requests_in_flight 0.0" in metrics
+
+
+def test_engine_full_is_429_with_retry_after(stack: Stack) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "busy",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            streams = [
+                http.stream("POST", f"{stack.url}/v1/completions", json=body) for _ in range(24)
+            ]
+            responses = [await s.__aenter__() for s in streams]
+            codes = [r.status_code for r in responses]
+            for r in responses:
+                if r.status_code == 429:
+                    assert int(r.headers["retry-after"]) >= 1
+                    assert json.loads(await r.aread())["error"]["type"] == "rate_limit_error"
+            for s in streams:
+                await s.__aexit__(None, None, None)
+            return codes
+
+    codes = asyncio.run(flood())
+    assert 429 in codes and codes.count(200) >= 8
+    assert stack.wait_idle().num_requests == 0
+
+
+def test_unit_dropped_and_readmitted(stack: Stack) -> None:
+    """A unit that stops answering health checks is dropped (503, /ready fails) and
+    re-admitted once it answers again."""
+    pid = stack.verifier_proc.p.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_http(f"{stack.url}/ready", status=503, timeout=15)
+        r = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_http(f"{stack.url}/ready", timeout=15)
+    out = stack.client().completions.create(model="tiny", prompt="abc", max_tokens=3)
+    assert out.usage.completion_tokens == 3 or out.choices[0].finish_reason == "stop"
+
+
+def test_verifier_dns_discovers_units(stack: Stack, tmp_path: Path) -> None:
+    """`--verifier-dns NAME:PORT` resolves the name to every address (a headless
+    Service in Kubernetes; `localhost` here) and routes to the healthy ones."""
+    vport = stack.verifier_proc.p.args[stack.verifier_proc.p.args.index("--port") + 1]
+    port = free_port()
+    proc = Proc(
+        [
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "-1",
+            "--verifier-dns",
+            f"localhost:{vport}",
+        ],
+        tmp_path / "gateway-dns.log",
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ready", proc)
+        units = httpx.get(f"http://127.0.0.1:{port}/ready").json()["units"]
+        assert any(u["address"] == f"127.0.0.1:{vport}" and u["healthy"] for u in units)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="a", max_tokens=2).usage
+    finally:
+        proc.stop()

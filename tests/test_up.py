@@ -1,0 +1,164 @@
+"""`adaserve up` as a user runs it: every service a real process on loopback, healthy
+before the URLs are printed, and all of them gone after Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests._serving import REPO, TEST_CONFIG, Proc, free_port, make_served_model
+
+pytestmark = pytest.mark.slow  # several model-serving processes
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("up-models")
+    return make_served_model(root / "target", seed=0), make_served_model(root / "drafter", seed=1)
+
+
+def _launch(tmp: Path, *args: str) -> tuple[Proc, int]:
+    cfg = tmp / "cfg.yaml"
+    cfg.write_text(TEST_CONFIG)
+    port = free_port()
+    proc = Proc(
+        [
+            "up",
+            "--port",
+            str(port),
+            "--config",
+            str(cfg),
+            "--log-dir",
+            str(tmp / "logs"),
+            "--startup-timeout",
+            "240",
+            *args,
+        ],
+        tmp / "up.log",
+    )
+    return proc, port
+
+
+def _wait_for(proc: Proc, pattern: str, timeout: float = 240.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = proc.log_path.read_text(errors="replace")
+        if re.search(pattern, text):
+            return text
+        proc.check_alive()
+        time.sleep(0.25)
+    raise TimeoutError(f"{pattern!r} not seen:\n{proc.log()}")
+
+
+def _child_pids(text: str) -> dict[str, int]:
+    return {m[0]: int(m[1]) for m in re.findall(r"started (\S+)\s+pid (\d+)", text)}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _shutdown(proc: Proc, pids: dict[str, int], sig: int) -> None:
+    os.kill(proc.p.pid, sig)  # the launcher only, as a terminal Ctrl-C would
+    assert proc.p.wait(60) == 0, proc.log()
+    proc.stop()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids.values()), pids
+    assert "adaserve up: stopped" in proc.log_path.read_text()
+
+
+def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = models
+    proc, port = _launch(
+        tmp_path, "--all-in-one", "--target", str(target), "--drafter", str(drafter)
+    )
+    try:
+        text = _wait_for(proc, r"adaserve is up")
+        assert f"http://127.0.0.1:{port}/v1" in text
+        pids = _child_pids(text)
+        assert set(pids) == {"verifier-0", "gateway"}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        out = client.completions.create(
+            model="target",
+            prompt="hi",
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.usage.completion_tokens == 5
+        _shutdown(proc, pids, signal.SIGINT)
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_separate_processes_two_units(models: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = models
+    has_drafter_service = (REPO / "services" / "drafter" / "__main__.py").is_file()
+    args = [
+        "--target",
+        str(target),
+        "--verifier-units",
+        "2",
+        "--drafter",
+        str(drafter) if has_drafter_service else "none",
+    ]
+    proc, port = _launch(tmp_path, *args)
+    try:
+        text = _wait_for(proc, r"adaserve is up")
+        pids = _child_pids(text)
+        expected = {"scheduler", "verifier-0", "verifier-1", "gateway"}
+        if has_drafter_service:
+            expected |= {"drafter-0", "drafter-1"}
+        assert set(pids) == expected
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        for _ in range(2):
+            out = client.chat.completions.create(
+                model="target",
+                messages=[{"role": "user", "content": "hey"}],
+                max_tokens=4,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert out.usage.completion_tokens == 4
+        _shutdown(proc, pids, signal.SIGTERM)
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_startup_failure_stops_everything(tmp_path: Path) -> None:
+    proc, _ = _launch(
+        tmp_path, "--all-in-one", "--target", str(tmp_path / "no-such-model"), "--drafter", "none"
+    )
+    try:
+        code = proc.p.wait(120)
+        text = proc.log_path.read_text()
+        assert code == 1, text
+        assert "verifier-0 exited" in text and "does not exist" in text
+        assert all(_gone(p) for p in _child_pids(text).values())
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_bad_arguments() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "adaserve.cli", "up", "--all-in-one", "--verifier-units", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--all-in-one" in r.stderr
