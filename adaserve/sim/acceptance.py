@@ -91,8 +91,8 @@ class BetaDraft:
         for j in range(1, k):
             out[:, j] = left * rng.beta(s.tail_alpha, s.tail_beta, size=rows)
             left = left - out[:, j]
-        out = -np.sort(-out, axis=1)  # a later rank can exceed a weak top-1: re-rank
-        return np.maximum(out, Q_FLOOR)
+        out = np.maximum(-np.sort(-out, axis=1), Q_FLOOR)  # a weak top-1 can be outranked
+        return out / np.maximum(out.sum(axis=1), 1.0)[:, None]  # the floor must not add mass
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,12 @@ class SimResult:
     settings: Settings
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def merge_settings(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            merge_settings(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -71,7 +73,9 @@ def engine_settings(workload: Workload, profile: HardwareProfile, spec: PolicySp
         "scheduler": {"budget": profile.budget},
         "slo": {"baseline_tpot_ms": profile.baseline_ms()},
     }
-    merged = _merge(_merge(_merge(base, SIM_DEFAULTS), workload.settings), spec.overrides)
+    merged = merge_settings(
+        merge_settings(merge_settings(base, SIM_DEFAULTS), workload.settings), spec.overrides
+    )
     return Settings(**merged)
 
 
@@ -82,12 +86,19 @@ def simulate(
     duration_s: float | None = None,
     seed: int | None = None,
     k: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> SimResult:
+    """Replay `workload` under `policy`. `overrides` are adaserve Settings applied over the
+    workload's own (a policy's settings still win: spec-K always verifies its chain)."""
+    if overrides:
+        workload = workload.model_copy(
+            update={"settings": merge_settings(workload.settings, overrides)}
+        )
     profile = workload_profile(workload)
     seed = workload.seed if seed is None else seed
     rps = workload.rps if rps is None else rps
     duration_s = workload.duration_s if duration_s is None else duration_s
-    max_running = Settings(**_merge(SIM_DEFAULTS, workload.settings)).engine.max_running
+    max_running = Settings(**merge_settings(SIM_DEFAULTS, workload.settings)).engine.max_running
     spec = policy_spec(policy, max_running, k)
     settings = engine_settings(workload, profile, spec)
     requests = workload.generate(rps, duration_s, seed, profile.baseline_ms())

@@ -1,0 +1,147 @@
+"""`adaserve simulate`: replay a workload on modelled hardware through the real engine.
+
+    adaserve simulate WORKLOAD.yaml --policy P [--k K] --rps R [--duration S] [--seed N] --out DIR
+    adaserve simulate WORKLOAD.yaml --sweep rps|urgent|slo-scale --out DIR [--policies a,b]
+
+A single run writes DIR/summary.json, DIR/requests.jsonl and DIR/latency.png; a sweep
+writes DIR/sweep_<kind>.csv, DIR/sweep_<kind>.json and PNG plots of attainment and
+goodput (overall and per class).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="workload YAML (e.g. workloads/adaserve-eurosys.yaml)")
+    p.add_argument(
+        "--policy",
+        help="adaserve | equal | global | spec-K | specinfer | cb | cb-priority",
+    )
+    p.add_argument("--k", type=int, help="speculation length for --policy spec")
+    p.add_argument("--rps", type=float, help="mean request rate (default: the workload's)")
+    p.add_argument("--duration", type=float, help="trace length in seconds")
+    p.add_argument("--seed", type=int, help="trace and model seed (default: the workload's)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--sweep", choices=["rps", "urgent", "slo-scale"])
+    p.add_argument("--policies", help="comma-separated policies for --sweep")
+    p.add_argument("--values", help="comma-separated sweep points (default: the workload's)")
+    p.add_argument("--jobs", type=int, default=1, help="parallel simulations in a sweep")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="adaserve setting override, e.g. scheduler.budget=128 (repeatable)",
+    )
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from adaserve.sim.workload import load_workload
+
+    try:
+        workload = load_workload(args.workload)
+        overrides = _parse_sets(args.set)
+        if overrides:
+            workload = _with_overrides(workload, overrides)
+        if args.sweep:
+            return _sweep(args, workload)
+        if not args.policy:
+            raise ValueError("--policy is required (or --sweep)")
+        return _single(args, workload)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"adaserve simulate: {exc}", file=sys.stderr)
+        return 2
+
+
+def _single(args: argparse.Namespace, workload) -> int:
+    from adaserve.sim.driver import simulate
+    from adaserve.sim.report import print_summary, write_run
+
+    if args.policy == "spec" and args.k is None:
+        raise ValueError("--policy spec needs --k K (or write spec-K)")
+    result = simulate(
+        workload,
+        args.policy,
+        rps=args.rps,
+        duration_s=args.duration,
+        seed=args.seed,
+        k=args.k if args.policy == "spec" else None,
+    )
+    paths = write_run(Path(args.out), result.summary, result.records, plot=not args.no_plots)
+    if not args.quiet:
+        print_summary(result.summary)
+        print(
+            f"wrote {', '.join(str(p) for p in paths)} "
+            f"(simulated in {result.summary['sim_wall_s']:.1f} s)"
+        )
+    return 0
+
+
+def _sweep(args: argparse.Namespace, workload) -> int:
+    from adaserve.sim.plots import plot_sweep
+    from adaserve.sim.sweep import flatten, run_sweep, write_csv
+
+    policies = _csv(args.policies) if args.policies else None
+    values = [float(v) for v in _csv(args.values)] if args.values else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = run_sweep(
+        workload,
+        args.sweep,
+        policies,
+        values,
+        args.duration,
+        args.seed,
+        jobs=args.jobs,
+        progress=not args.quiet,
+    )
+    name = args.sweep.replace("-", "_")
+    csv_path = out / f"sweep_{name}.csv"
+    write_csv(summaries, csv_path)
+    (out / f"sweep_{name}.json").write_text(json.dumps(summaries, indent=1) + "\n")
+    paths = [csv_path]
+    if not args.no_plots:
+        paths += plot_sweep([flatten(s) for s in summaries], args.sweep, out)
+    if not args.quiet:
+        for s in summaries:
+            print(
+                f"{args.sweep}={s['x']:<6g} {s['policy']:<12} attainment "
+                f"{s['slo_attainment']:.3f}  goodput {s['goodput']:.1f}"
+            )
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    """`a.b=1` -> {"a": {"b": 1}}; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    return out
+
+
+def _with_overrides(workload, overrides: dict[str, Any]):
+    from adaserve.sim.driver import merge_settings
+
+    return workload.model_copy(update={"settings": merge_settings(workload.settings, overrides)})
