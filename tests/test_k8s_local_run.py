@@ -25,6 +25,7 @@ from tests.k8s_local_run import (
     REPO,
     LocalContainer,
     LocalDeployment,
+    config_yaml,
     image_env,
     kubectl,
     make_workdir,
@@ -191,15 +192,26 @@ def test_chat_completion_through_the_gateway(deployment: LocalDeployment, gatewa
 
 
 def test_processes_fit_their_memory_limits(deployment: LocalDeployment) -> None:
+    """Peak RSS plus the KV cache a full load would still touch stays under each
+    container's limit (the KV tensors are allocated lazily, so a short run under-counts
+    them; adaserve/engine_build.py gives the drafter a quarter, at least 0.25 GB)."""
+    from adaserve.config import EngineSettings
+
     deployment.sample_rss()
+    engine = config_yaml(deployment.docs).get("engine", {})
+    kv_gb = engine.get("kv_memory_gb", EngineSettings().kv_memory_gb)
+    kv_allowance = {"verifier": kv_gb, "drafter": max(kv_gb / 4, 0.25)}
     report = []
     for c in deployment.containers:
-        assert c.peak_rss_bytes > 0, f"{c.workload}/{c.name}: no memory sample"
+        where = f"{c.workload}/{c.name}"
+        assert c.peak_rss_bytes > 0, f"{where}: no memory sample"
+        need = c.peak_rss_bytes + int(kv_allowance.get(c.name, 0.0) * 2**30)
         report.append(
-            f"{c.name} {c.peak_rss_bytes / 2**20:.0f} MiB / {c.memory_limit_bytes / 2**20:.0f} MiB"
+            f"{c.name} peak {c.peak_rss_bytes / 2**20:.0f} MiB + KV -> {need / 2**20:.0f} MiB"
+            f" of {c.memory_limit_bytes / 2**20:.0f} MiB"
         )
-        assert c.peak_rss_bytes < c.memory_limit_bytes, f"{c.workload}/{c.name} over its limit"
-    print("peak RSS vs limit: " + "; ".join(report))
+        assert need < c.memory_limit_bytes, f"{where} would outgrow its limit: {report[-1]}"
+    print("memory: " + "; ".join(report))
 
 
 def test_services_stop_within_their_grace_period(deployment: LocalDeployment) -> None:
