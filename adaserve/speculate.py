@@ -193,13 +193,13 @@ class BeamDrafter:
 
         n = len(active)
         logits = self._forward_last([SeqInput.chain(u.id, chains[u.id]) for u in active])
-        vocab = logits.shape[-1]
-        if width > vocab:
-            raise ValueError(f"speculate: width {width} exceeds the draft vocabulary ({vocab})")
-        logq = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-        cond, draft_ids = logq.topk(width, dim=-1)  # [n, w]
-        path = cond.clone()
-        beam_parent = torch.zeros(n, width, dtype=torch.int64, device=logq.device)
+        if width > logits.shape[-1]:
+            raise ValueError(
+                f"speculate: width {width} exceeds the draft vocabulary ({logits.shape[-1]})"
+            )
+        cond, draft_ids = _top_children(logits, width)  # [n, w] each
+        path = cond
+        beam_parent = torch.zeros(n, width, dtype=torch.int64, device=cond.device)
         out_ids, out_par, out_cond = [draft_ids], [beam_parent], [cond]
         base = np.array([chains[u.id].shape[0] for u in active], dtype=np.int64)  # root + 1
         for j in range(1, depth):
@@ -215,13 +215,15 @@ class BeamDrafter:
                 SeqInput(u.id, frontier[i], parents[i].astype(np.int32))
                 for i, u in enumerate(active)
             ]
-            logq = torch.log_softmax(self.runner.forward(inputs).float(), dim=-1)
-            logq = logq.view(n, width, vocab)
-            scores = (path[:, :, None] + logq).view(n, width * vocab)
-            path, flat = scores.topk(width, dim=-1)  # [n, w]
-            beam_parent = flat // vocab
-            draft_ids = flat % vocab
-            cond = logq[torch.arange(n, device=logq.device)[:, None], beam_parent, draft_ids]
+            # The best w of a request's w*|V| children are among each beam's own best w
+            # (a beam adds one constant path log-prob to all its children), so rank the
+            # w*w survivors instead of [n, w*V] scores.
+            child_cond, child_ids = _top_children(self.runner.forward(inputs), width)
+            scores = path[:, :, None] + child_cond.view(n, width, width)
+            path, flat = scores.view(n, width * width).topk(width, dim=-1)  # [n, w]
+            beam_parent = flat // width
+            draft_ids = child_ids.view(n, width * width).gather(1, flat)
+            cond = child_cond.view(n, width * width).gather(1, flat)
             out_ids.append(draft_ids)
             out_par.append(beam_parent)
             out_cond.append(cond)
@@ -230,6 +232,14 @@ class BeamDrafter:
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self._d2t is None else self._d2t[draft_ids]
+
+
+def _top_children(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log q and draft ids of each row's `width` most likely children, [m, w] each:
+    top-k on the raw logits minus their logsumexp (no [m, V] log_softmax is written)."""
+    logits = logits.float()
+    vals, ids = logits.topk(width, dim=-1)
+    return vals - torch.logsumexp(logits, dim=-1, keepdim=True), ids
 
 
 def _beam_tree(root: int, ids: torch.Tensor, par: torch.Tensor, cond: torch.Tensor, width: int):
