@@ -241,3 +241,34 @@ def test_draft_vocabulary_maps_back_to_target_ids(tiny_llama_dir, hf_model):
     ident = BeamDrafter(_ReducedHead(_runner(tiny_llama_dir), columns), draft_to_target=columns)
     (t2,) = ident.speculate([_upd("c", hist, len(hist))], 3, 2)
     assert t2.tokens.tolist() == t.tokens.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_drafter_and_verifier_match_cpu(tiny_llama_dir):
+    from adaserve.request import SamplingParams
+    from adaserve.sampling import TokenRng
+    from adaserve.verify import verify_batch
+
+    trees = {}
+    for dev in ("cpu", "cuda"):
+        runner = load_runner(tiny_llama_dir, device=dev, dtype="float32", kv_blocks=128)
+        drafter = BeamDrafter(runner, draft_to_target=np.arange(256))
+        trees[dev] = drafter.speculate([_upd(k, v, len(v)) for k, v in HIST.items()], 3, 3)
+        drafter.release(list(HIST))
+        assert runner.kv_usage() == 0.0
+    for a, b in zip(trees["cpu"], trees["cuda"], strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-3)
+    logits = torch.randn(sum(len(t) for t in trees["cpu"]), 256) * 3
+    sps = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(top_k=5, temperature=1.0),
+    ]
+    res = {
+        dev: verify_batch(trees["cpu"], logits.to(dev), sps, [None, TokenRng(1), TokenRng(2)])
+        for dev in ("cpu", "cuda")
+    }
+    for a, b in zip(res["cpu"], res["cuda"], strict=True):
+        assert a.emitted_tokens.tolist() == b.emitted_tokens.tolist()
