@@ -30,7 +30,7 @@ from adaserve.tree import TreeBatch
 def optimal_selection(batch: TreeBatch, a: np.ndarray, a_cap: np.ndarray, budget: int) -> Selection:
     """Selection maximizing total f subject to sum f >= A(r) for every request and at
     most `budget` nodes, or Selection(invalid=True) when none exists."""
-    count, acc = greedy_prefix(batch, a, batch.sizes)
+    count, acc = greedy_prefix(batch, a)
     reached = acc[np.arange(len(batch)), count - 1] >= a
     taken = int(count.sum())
     if not reached.all() or taken > budget:

@@ -161,7 +161,7 @@ def slo_phase(
     order: str = "descending_a",
 ) -> np.ndarray:
     """Nodes each request holds after the SLO phase (root included): int64 [n]."""
-    want, _ = greedy_prefix(batch, a_cap, np.minimum(batch.sizes, n_max))
+    want, _ = greedy_prefix(batch, a_cap, n_max)
     rank = np.argsort(-a if order == "descending_a" else a, kind="stable")
     extra = want[rank] - 1  # the roots are paid for up front
     # Requests consume the budget one after another: each gets what it wants, clipped
@@ -181,19 +181,21 @@ def equal_shares(batch: TreeBatch, budget: int) -> np.ndarray:
 
 
 def greedy_prefix(
-    batch: TreeBatch, target: np.ndarray, limit: np.ndarray
+    batch: TreeBatch, target: np.ndarray, n_max: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each tree, the shortest prefix of its greedy order (root included) whose sum
-    of f reaches `target`, at most `limit` nodes.
+    of f reaches `target`, at most n_max nodes (None: the whole tree).
 
     Returns (count int64 [n], acc float64 [n, width]) where acc[k, j] is 1 + the sum of
     f over tree k's first j drafted nodes, added left to right as Algorithm 2 does."""
-    width = max(1, int(limit.max()))
+    width = batch.width if n_max is None else min(n_max, batch.width)
     acc = np.cumsum(np.exp(batch.cell_log_f()[batch.cells(batch.greedy_rows()[:, :width])]), axis=1)
     # acc never decreases (f >= 0), so the nodes needed are the root plus one per
-    # prefix still short of the target.
-    short = np.count_nonzero(acc[:, :-1] < target[:, None], axis=1)
-    return np.minimum(short + 1, limit), acc
+    # prefix still short of the target; looking at `width` columns caps it at n_max.
+    count = np.count_nonzero(acc[:, :-1] < target[:, None], axis=1) + 1
+    if batch.inside() is not None:  # padding is no node: cap at each tree's size
+        count = np.minimum(count, batch.sizes)
+    return count, acc
 
 
 def prefix_mask(batch: TreeBatch, take: np.ndarray) -> np.ndarray:
@@ -259,17 +261,13 @@ def _progress_arrays(
         elapsed = np.asarray(requests.elapsed_ms, dtype=np.float64)
         decoded = np.asarray(requests.decoded, dtype=np.float64)
         tpot = np.asarray(requests.tpot_slo_ms, dtype=np.float64)
+        cols = np.stack([elapsed, decoded, tpot])
     else:
-        elapsed, decoded, tpot = _columns(requests)
+        cols = _columns(requests)
+        elapsed, decoded, tpot = cols
     # Whole-array checks first (NaN fails every comparison); locate only on failure.
-    if len(requests) and not (
-        tpot.min() > 0
-        and tpot.max() < np.inf
-        and elapsed.min() >= 0
-        and elapsed.max() < np.inf
-        and decoded.min() >= 0
-        and decoded.max() < np.inf
-    ):
+    lo, hi = (cols.min(axis=1), cols.max(axis=1)) if len(requests) else (np.ones(3), np.ones(3))
+    if not (lo[0] >= 0 and lo[1] >= 0 and lo[2] > 0 and np.all(hi < np.inf)):
         for name, values, ok in (
             ("tpot_slo_ms", tpot, np.isfinite(tpot) & (tpot > 0)),
             ("elapsed_ms", elapsed, np.isfinite(elapsed) & (elapsed >= 0)),
@@ -285,17 +283,16 @@ def _progress_arrays(
     return elapsed, decoded, tpot
 
 
-def _columns(requests: Sequence[RequestProgress]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _columns(requests: Sequence[RequestProgress]) -> np.ndarray:
+    """float64 [3, n]: elapsed_ms, decoded, tpot_slo_ms, read in one C-level pass."""
     n = len(requests)
+    fields = itertools.chain(map(_ELAPSED, requests), map(_DECODED, requests), map(_TPOT, requests))
     try:
-        elapsed = np.fromiter(map(_ELAPSED, requests), np.float64, n)
-        decoded = np.fromiter(map(_DECODED, requests), np.float64, n)
-        tpot = np.fromiter(map(_TPOT, requests), np.float64, n)
+        return np.fromiter(fields, np.float64, 3 * n).reshape(3, n)
     except (TypeError, ValueError, AttributeError) as exc:
         raise SelectionError(
             f"requests: each needs numeric tpot_slo_ms, elapsed_ms, decoded ({exc})"
         ) from exc
-    return elapsed, decoded, tpot
 
 
 def _is_int(x: object) -> bool:

@@ -8,6 +8,8 @@ node i given its parent's path; the root's is 0.0, so its path probability is 1.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -113,9 +115,11 @@ class CandidateTree:
         return m
 
 
+_TOKENS = operator.attrgetter("tokens")
+_PARENTS = operator.attrgetter("parents")
+_LOGPROBS = operator.attrgetter("logprobs")
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
-_PAD_KEY = np.uint64(0xFFFFFFFF) << np.uint64(32)  # above every real node's key
 _TIE_BITS = 32  # low bits of a greedy key: (depth, cell) packed, or their rank
 
 
@@ -141,10 +145,11 @@ class TreeBatch:
             return TreeBatch(
                 np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32), offsets
             )
-        sizes = np.fromiter(map(len, trees), dtype=np.int64, count=len(trees))
+        tokens = list(map(_TOKENS, trees))  # C-level attribute access: no per-tree bytecode
+        sizes = np.fromiter(map(len, tokens), dtype=np.int64, count=len(trees))
         np.cumsum(sizes, out=offsets[1:])
-        parents = np.concatenate([t.parents for t in trees])
-        logprobs = np.concatenate([t.logprobs for t in trees])
+        parents = np.concatenate(list(map(_PARENTS, trees)))
+        logprobs = np.concatenate(list(map(_LOGPROBS, trees)))
         if parents.shape[0] != offsets[-1] or logprobs.shape[0] != offsets[-1]:
             for k, t in enumerate(trees):
                 if t.parents.shape[0] != sizes[k] or t.logprobs.shape[0] != sizes[k]:
@@ -153,7 +158,7 @@ class TreeBatch:
                         f"parents={t.parents.shape[0]}, logprobs={t.logprobs.shape[0]})"
                     )
         return TreeBatch(
-            np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False),
+            np.concatenate(tokens).astype(np.int32, copy=False),
             parents.astype(np.int32, copy=False),
             logprobs.astype(np.float32, copy=False),
             offsets,
@@ -264,13 +269,15 @@ class TreeBatch:
                 f"trees: array lengths disagree (sum(sizes)={n}, tokens={self.tokens.shape[0]}, "
                 f"parents={self.parents.shape[0]}, logprobs={self.logprobs.shape[0]})"
             )
+        self._cache["shape_ok"] = True
 
     def validate(self) -> None:
         """Raises TreeError naming the field and the tree of the first problem. Cheap
         whole-batch reductions first; the offending node is located only on failure."""
         if self._cache.get("valid") or self.num_nodes == 0:
             return
-        self._check_shape()
+        if not self._cache.get("shape_ok"):
+            self._check_shape()
         par = self.parent_grid()
         if np.any(par[:, 0] != -1):
             k = int(np.argmax(par[:, 0] != -1))
@@ -278,7 +285,8 @@ class TreeBatch:
                 f"trees[{k}].parents: node 0 is the root and must have parent -1, got {int(par[k, 0])}"
             )
         rest = par[:, 1:]
-        if rest.size and (rest.min() < 0 or (rest - np.arange(1, self.width)).max() >= 0):
+        # As uint32 a negative parent is huge: one comparison checks 0 <= parent < index.
+        if np.any(rest.view(np.uint32) >= _node_indices(self.width)[1:]):
             bad = (rest < 0) | (rest >= np.arange(1, self.width))
             k, j = (int(x) for x in np.unravel_index(int(np.argmax(bad)), bad.shape))
             raise TreeError(
@@ -385,28 +393,30 @@ class TreeBatch:
 
     def _greedy_keys(self) -> np.ndarray:
         state = self._sweep()
-        shape = state.shape
+        n, width = state.shape
         cells = state.size
+        # Two little-endian uint32 words per key: high = float32 bits of -log f, low =
+        # the tie-breaker (depth, cell).
+        words = np.empty((n, width, 2), dtype=np.uint32)
         with np.errstate(over="ignore"):
-            # 0.0 - x turns -0.0 into +0.0: bits of non-negative floats sort as numbers.
-            key = (0.0 - state.real).astype(np.float32)
-        key = key.view(np.uint32).astype(np.uint64) << np.uint64(32)
-        depth = state.imag.astype(np.uint64)
+            # 0 - x makes -0.0 +0.0, so the bits of these non-negative floats sort as
+            # the numbers do.
+            np.subtract(0.0, state.real, out=words[..., 1].view(np.float32), dtype=np.float32)
         index_bits = max(1, (cells - 1).bit_length())
-        if int(depth.max(initial=0)).bit_length() + index_bits <= _TIE_BITS:
-            key |= depth << np.uint64(index_bits)
-            key |= np.arange(cells, dtype=np.uint64).reshape(shape)
+        if (width - 1).bit_length() + index_bits <= _TIE_BITS:  # depth < width
+            tie = state.imag * float(1 << index_bits)
+            np.add(tie, _cell_numbers(cells).reshape(n, width), out=words[..., 0], casting="unsafe")
             self._cache["index_mask"] = np.uint64((1 << index_bits) - 1)
         else:  # too many cells to pack depth and index: rank the pairs instead
-            order = np.lexsort((np.arange(cells), depth.reshape(-1)))
-            rank = np.empty(cells, dtype=np.uint64)
-            rank[order] = np.arange(cells, dtype=np.uint64)
-            key |= rank.reshape(shape)
+            order = np.lexsort((np.arange(cells), state.imag.reshape(-1)))
+            rank = np.empty(cells, dtype=np.uint32)
+            rank[order] = np.arange(cells, dtype=np.uint32)
+            words[..., 0] = rank.reshape(n, width)
             self._cache["rank_to_cell"] = order
         inside = self.inside()
         if inside is not None:
-            key[~inside] |= _PAD_KEY
-        return key
+            words[..., 1][~inside] = 0xFFFFFFFF  # padding sorts after every real node
+        return words.view(np.uint64).reshape(n, width)
 
     def greedy_rows(self) -> np.ndarray:
         """uint64 [num_trees, width]: each row of greedy_keys sorted, i.e. each tree's
@@ -420,6 +430,22 @@ class TreeBatch:
         if rank_to_cell is None:
             return (keys & self._cache["index_mask"]).astype(np.int64)
         return rank_to_cell[(keys & np.uint64(0xFFFFFFFF)).astype(np.int64)]
+
+
+@functools.lru_cache(maxsize=16)
+def _cell_numbers(cells: int) -> np.ndarray:
+    """float64 [cells]: 0, 1, 2, ... (read-only, shared)."""
+    out = np.arange(cells, dtype=np.float64)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _node_indices(width: int) -> np.ndarray:
+    """uint32 [width]: 0, 1, 2, ... (read-only, shared)."""
+    out = np.arange(width, dtype=np.uint32)
+    out.flags.writeable = False
+    return out
 
 
 def _depths(parents: np.ndarray) -> np.ndarray:

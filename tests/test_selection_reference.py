@@ -117,7 +117,7 @@ def reference_select(requests, trees, params) -> list[list[int]]:
 
 # --- the vectorized policies against the reference -----------------------------------
 
-_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("policy", ["adaserve", "equal", "global"])
