@@ -13,13 +13,13 @@ Policies:
 - `global` (GlobalGreedy): roots, then the throughput phase only.
 - `optimal`: Algorithm 1 on exact f (adaserve/optimal.py).
 
-"Highest f" is the greedy order of TreeBatch.greedy_order: log f descending, then
-depth, then request, then node index. Each phase takes prefixes of that order, so the
-selected nodes always form connected trees.
+"Highest f" is the greedy order of TreeBatch.greedy_keys: log f descending (compared
+at float32 precision), then depth, then request, then node index. Each phase takes
+prefixes of that order, so the selected nodes always form connected trees.
 
 Everything is vectorized over the batch: the SLO phase is a cumulative sum over each
 tree's greedy prefix, sequential budget consumption across requests is a clip of a
-cumulative sum, and the throughput phase is a prefix of the global order.
+cumulative sum, and the throughput phase is one partition of the remaining keys.
 """
 
 from __future__ import annotations
