@@ -221,7 +221,7 @@ def _drain(unit: Unit) -> None:
                 done.append(rid)
                 break
     for rid in done:
-        del unit.active[rid]
+        unit.active.pop(rid)[1].decode_steps = unit.target.steps.pop(rid, 0)
 
 
 def _extras(units, settings, profile, duration_s, seed, wall_s, workload) -> dict[str, Any]:

@@ -34,6 +34,7 @@ class RequestRecord:
     finish_s: float | None = None
     best_effort: bool = False
     error: str | None = None
+    decode_steps: int | None = None  # verification steps (simulator only)
 
     @property
     def tpot_ms(self) -> float | None:
@@ -68,6 +69,7 @@ def _group(records: list[RequestRecord], span_s: float) -> dict[str, Any]:
     n = len(records)
     attained = [r for r in records if r.attained]
     tpots = [t for r in records if (t := r.tpot_ms) is not None]
+    steps = sum(r.decode_steps or 0 for r in records)
     ttfts = [t for r in records if (t := r.ttft_ms) is not None]
     return {
         "requests": n,
@@ -83,6 +85,10 @@ def _group(records: list[RequestRecord], span_s: float) -> dict[str, Any]:
         "ttft_p90_ms": _pct(ttfts, 90),
         "ttft_p99_ms": _pct(ttfts, 99),
         "tpot_slo_ms": records[0].tpot_slo_ms if n and _same_slo(records) else None,
+        # tokens per verification step (bonus included), when steps were recorded
+        "mean_accepted": (
+            sum(r.num_tokens - 1 for r in records if r.decode_steps) / steps if steps else None
+        ),
     }
 
 

@@ -56,6 +56,7 @@ class SimTarget:
         self.vocab_size = profile.vocab_size
         self.max_model_len = profile.max_model_len
         self._ctx: dict[str, int] = {}  # committed tokens per sequence
+        self.steps: dict[str, int] = {}  # verification steps per sequence (kept after free)
         self._ctx_total = 0
         self.stats = TargetStats()
 
@@ -101,6 +102,7 @@ class SimTarget:
             emitted, path = emitted[:cap], path[:cap]
             results.append(VerifyResult(path.astype(np.int32), emitted, reason))
             self._ctx[it.seq_id] = self._ctx.get(it.seq_id, 0) + len(emitted)
+            self.steps[it.seq_id] = self.steps.get(it.seq_id, 0) + 1
             self._ctx_total += len(emitted)
             st.emitted += len(emitted)
             st.accepted_drafts += len(path) - 1

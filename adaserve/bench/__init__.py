@@ -1,0 +1,1 @@
+"""Load generation against a running OpenAI-compatible server (`adaserve bench serve`)."""
