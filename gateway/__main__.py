@@ -4,6 +4,7 @@ one or more verifier units."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from adaserve.config import load_settings
 
@@ -37,17 +38,21 @@ def run(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from services.common.server import new_event_loop
 
-    settings = load_settings(args.config)
-    verifiers = list(args.verifier) or list(settings.services.verifiers)
-    dns = args.verifier_dns or settings.services.verifier_dns
     logs.configure(args.log_level)
-    app = create_app(
-        settings,
-        verifiers,
-        verifier_dns=dns,
-        grpc_port=None if args.grpc_port < 0 else args.grpc_port,
-        grpc_host=args.host,
-    )
+    try:
+        settings = load_settings(args.config)
+        verifiers = list(args.verifier) or list(settings.services.verifiers)
+        dns = args.verifier_dns or settings.services.verifier_dns
+        app = create_app(
+            settings,
+            verifiers,
+            verifier_dns=dns,
+            grpc_port=None if args.grpc_port < 0 else args.grpc_port,
+            grpc_host=args.host,
+        )
+    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError included
+        print(f"adaserve gateway: {exc}", file=sys.stderr)
+        return 1
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -44,6 +44,7 @@ def create_app(
     grpc_host: str = "0.0.0.0",
 ) -> FastAPI:
     keys = ApiKeys.from_settings(settings.gateway)
+    Router(verifiers, dns=verifier_dns)  # bad addresses fail here, before serving
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -66,8 +66,10 @@ class Router:
         interval_s: float = 2.0,
         check_timeout_s: float = 1.0,
     ) -> None:
+        for addr in addresses:
+            parse_address(addr, "--verifier")
         self.static = list(dict.fromkeys(addresses))
-        self.dns = _parse_dns(dns) if dns else None
+        self.dns = parse_address(dns, '--verifier-dns') if dns else None
         self.interval_s = interval_s
         self.check_timeout_s = check_timeout_s
         self.units: dict[str, Unit] = {}
@@ -201,11 +203,12 @@ class Router:
         unit.last_error = ""
 
 
-def _parse_dns(spec: str) -> tuple[str, int]:
+def parse_address(spec: str, what: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 hosts in brackets); ValueError naming the option otherwise."""
     host, sep, port = spec.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--verifier-dns must be NAME:PORT, got {spec!r}")
-    return host, int(port)
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT, got {spec!r}")
+    return host.strip("[]"), int(port)
 
 
 def _join(ip: str, port: int) -> str:

@@ -172,6 +172,7 @@ def start_verifier(
     drafter: Path | None,
     config: str = TEST_CONFIG,
     name: str = "verifier",
+    metrics_port: int = -1,
 ) -> tuple[Proc, str]:
     """A verifier process on a free port, serving (model loaded) when this returns."""
     cfg = workdir / f"{name}.yaml"
@@ -191,6 +192,7 @@ def start_verifier(
         str(cfg),
     ]
     args += ["--drafter", str(drafter)] if drafter is not None else ["--drafter", "none"]
+    args += ["--metrics-port", str(metrics_port)]
     proc = Proc(args, workdir / f"{name}.log")
     addr = f"127.0.0.1:{port}"
     try:
@@ -199,3 +201,25 @@ def start_verifier(
         proc.stop()
         raise
     return proc, addr
+
+
+def start_gateway(
+    workdir: Path,
+    *args: str,
+    grpc_port: int = -1,
+    name: str = "gateway",
+    env: dict[str, str] | None = None,
+    wait_path: str = "/health",
+) -> tuple[Proc, str]:
+    """A gateway process (`args` after the host/port options); returns its base URL
+    once `wait_path` answers 200."""
+    port = free_port()
+    argv = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
+    proc = Proc([*argv, *args], workdir / f"{name}.log", env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + wait_path, proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url

@@ -29,21 +29,8 @@ def _launch(tmp: Path, *args: str) -> tuple[Proc, int]:
     cfg = tmp / "cfg.yaml"
     cfg.write_text(TEST_CONFIG)
     port = free_port()
-    proc = Proc(
-        [
-            "up",
-            "--port",
-            str(port),
-            "--config",
-            str(cfg),
-            "--log-dir",
-            str(tmp / "logs"),
-            "--startup-timeout",
-            "240",
-            *args,
-        ],
-        tmp / "up.log",
-    )
+    opts = f"up --port {port} --config {cfg} --log-dir {tmp / 'logs'} --startup-timeout 240"
+    proc = Proc([*opts.split(), *args], tmp / "up.log")
     return proc, port
 
 

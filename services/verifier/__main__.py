@@ -58,18 +58,28 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     # Imported here so `adaserve verifier --help` never pays for torch.
     from adaserve.engine_build import build_engine
-    from adaserve.model.loader import load_tokenizer, resolve_model
+    from adaserve.model.loader import (
+        ModelNotFoundError,
+        UnsupportedModelError,
+        load_tokenizer,
+        resolve_model,
+    )
     from gateway import logs
     from services.common.server import run_until_signal
     from services.verifier.server import build_server
 
     logs.configure(args.log_level)
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+        engine = build_engine(settings)
+    except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
+        # A bad path or config is the user's to fix: say what, without a traceback.
+        print(f"adaserve verifier: {exc}", file=sys.stderr)
+        return 1
     if args.metrics_port >= 0:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.host)
-    engine = build_engine(settings)
     try:
         tokenizer = load_tokenizer(resolve_model(settings.model.target))
     except Exception as exc:  # token-id prompts still work without one
