@@ -43,7 +43,11 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Spelled out as transformers does (statistics in fp32, then cast): on CPU this
+        # is ~5x faster than F.rms_norm, which is not fused there.
+        h = x if x.dtype == torch.float32 else x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -1,0 +1,146 @@
+"""Verifier forward latency vs number of tree tokens: the budget curve.
+
+One request with a committed prefix (256 tokens by default) verifies a token tree of
+n nodes (a beam-shaped tree: root, then chains of width 4) in one forward; the tree
+is dropped after each forward, so every measurement sees the same prefix. Sizes are
+measured round-robin (rep 1 of every n, then rep 2, ...), so slow drifts of a shared
+machine's load hit all sizes alike. Prints a table, writes JSON and a PNG, and names
+the knee: where latency stops being flat in n (max distance below the chord,
+"Kneedle"), the default token budget B for this hardware.
+
+    .venv/bin/python benchmarks/bench_verify.py [--model embedded] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from adaserve.model.loader import load_runner
+from adaserve.model.runner import ModelRunner, SeqInput
+
+DEFAULT_SIZES = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64]
+
+
+def beam_tree(n: int, width: int = 4) -> np.ndarray:
+    """Parents of an n-node tree: root 0, then `width` chains hanging off it."""
+    return np.array([-1] + [max(0, i - width) for i in range(1, n)], dtype=np.int32)
+
+
+def time_forward(
+    runner: ModelRunner, sid: str, tokens: np.ndarray, parents: np.ndarray, sync
+) -> float:
+    sync()
+    t0 = time.perf_counter()
+    runner.forward([SeqInput(sid, tokens, parents)])
+    sync()
+    dt = time.perf_counter() - t0
+    runner.commit(sid, [])  # drop the tree, keep the prefix
+    return dt
+
+
+def knee(sizes: list[int], ms: list[float]) -> int:
+    """Kneedle: the size whose normalized latency lies furthest below the chord from
+    the first to the last point (the end of the flat part of a flat-then-linear curve)."""
+    x = np.asarray(sizes, dtype=float)
+    y = np.asarray(ms, dtype=float)
+    xn = (x - x[0]) / (x[-1] - x[0])
+    yn = (y - y[0]) / max(y[-1] - y[0], 1e-12)
+    return int(sizes[int(np.argmax(xn - yn))])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prefix", type=int, default=256)
+    ap.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    runner = load_runner(args.model, args.device, args.dtype, kv_memory_gb=0.5)
+    dev = runner.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rng = np.random.default_rng(0)
+    runner.add_sequence("bench")
+    prefix = rng.integers(100, runner.vocab_size, args.prefix)
+    runner.forward([SeqInput.chain("bench", prefix)], last_only=True)
+    runner.commit("bench", range(args.prefix))
+    trees = {
+        n: (rng.integers(100, runner.vocab_size, n).astype(np.int32), beam_tree(n))
+        for n in args.sizes
+    }
+    for n in args.sizes:  # warm-up: allocator, kernels, caches
+        time_forward(runner, "bench", *trees[n], sync)
+    samples: dict[int, list[float]] = {n: [] for n in args.sizes}
+    for _ in range(args.reps):
+        for n in args.sizes:
+            samples[n].append(time_forward(runner, "bench", *trees[n], sync) * 1e3)
+    med = [statistics.median(samples[n]) for n in args.sizes]
+    k = knee(args.sizes, med)
+
+    print(
+        f"verifier forward, prefix {args.prefix}, {dev} {runner.dtype}, "
+        f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'tokens':>6} {'median ms':>10} {'min ms':>8} {'ms/token':>9} {'tok/s':>8}")
+    for n, m in zip(args.sizes, med, strict=True):
+        print(f"{n:>6} {m:>10.1f} {min(samples[n]):>8.1f} {m / n:>9.2f} {n / m * 1e3:>8.0f}")
+    print(f"knee (Kneedle): {k} tokens -> default budget B = {k}")
+
+    tag = f"{dev.type}-{str(runner.dtype).removeprefix('torch.')}"
+    out = args.out or Path(f"benchmarks/results/verify_{tag}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "model": str(args.model),
+        "device": str(dev),
+        "dtype": str(runner.dtype),
+        "threads": torch.get_num_threads(),
+        "prefix": args.prefix,
+        "reps": args.reps,
+        "load_avg": os.getloadavg()[0],
+        "knee_tokens": k,
+        "rows": [
+            {"tokens": n, "median_ms": m, "samples_ms": samples[n]}
+            for n, m in zip(args.sizes, med, strict=True)
+        ],
+    }
+    out.write_text(json.dumps(result, indent=2))
+    _plot(args.sizes, med, k, out.with_suffix(".png"), f"{args.model} on {tag}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _plot(sizes: list[int], med: list[float], k: int, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, med, "o-", label="median forward latency")
+    ax.axvline(k, color="gray", ls="--", label=f"knee: {k} tokens")
+    ax.set_xlabel("tree tokens verified in one forward")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Tensor parallelism with real processes (gloo on CPU): TP=2 and TP=4 give the logits
+of TP=1 through prefill, a token tree, a commit of a branch and decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.model.kv_cache import KVCacheFull
+from adaserve.model.loader import load_runner
+from adaserve.model.runner import SeqInput
+
+pytestmark = pytest.mark.slow
+
+KV = {"kv_blocks": 32, "kv_block_size": 4}
+
+
+def _script(runner) -> list[torch.Tensor]:
+    """Two sequences through prefill, a ragged tree batch, commits and a decode step."""
+    rng = np.random.default_rng(0)
+    out = []
+    for sid, n in (("a", 11), ("b", 6)):
+        runner.add_sequence(sid)
+        out.append(runner.forward([SeqInput.chain(sid, rng.integers(0, 256, n))]))
+        runner.commit(sid, range(n))
+    trees = [
+        SeqInput(
+            "a", rng.integers(0, 256, 5).astype(np.int32), np.array([-1, 0, 0, 1, 2], np.int32)
+        ),
+        SeqInput("b", rng.integers(0, 256, 2).astype(np.int32), np.array([-1, 0], np.int32)),
+    ]
+    out.append(runner.forward(trees))
+    runner.commit("a", [0, 2, 4])
+    runner.commit("b", [0])
+    out.append(runner.forward([SeqInput.chain("a", [5]), SeqInput.chain("b", [6])], last_only=True))
+    out.append(torch.tensor([runner.committed_len("a"), runner.committed_len("b")]))
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_single_process(tiny_llama_untied_dir: Path, tp: int) -> None:
+    want = _script(load_runner(tiny_llama_untied_dir, "cpu", "float32", **KV))
+    runner = load_runner(tiny_llama_untied_dir, "cpu", "float32", tp=tp, **KV)
+    try:
+        got = _script(runner)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        # Errors are raised on rank 0 and the followers stay in step.
+        with pytest.raises(KVCacheFull):
+            runner.forward([SeqInput.chain("a", list(range(200)))])
+        with pytest.raises(ValueError):
+            runner.forward([SeqInput.chain("a", [999])])
+        runner.free("a")
+        runner.free("b")
+        assert runner.kv_usage() == 0.0
+        runner.add_sequence("c")
+        torch.testing.assert_close(
+            runner.forward([SeqInput.chain("c", [1, 2, 3])]),
+            _single(tiny_llama_untied_dir, [1, 2, 3]),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+    finally:
+        runner.close()
+
+
+def test_tp_rejects_indivisible_heads(tiny_llama_dir: Path) -> None:
+    with pytest.raises((ValueError, RuntimeError), match="divisible"):
+        load_runner(tiny_llama_dir, "cpu", "float32", tp=3, **KV)  # 4 KV heads
+
+
+def _single(path: Path, ids: list[int]) -> torch.Tensor:
+    runner = load_runner(path, "cpu", "float32", **KV)
+    runner.add_sequence("c")
+    return runner.forward([SeqInput.chain("c", ids)])
