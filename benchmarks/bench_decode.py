@@ -40,16 +40,18 @@ def runner_decode(runner: ModelRunner, prompt: list[int], n: int) -> tuple[list[
 
 
 def hf_decode(model, prompt: list[int], n: int) -> tuple[list[int], float]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return gen[0, len(prompt) :].tolist(), time.perf_counter() - t0
+    return gen[0, len(prompt) :].tolist(), time.perf_counter() - t0  # .tolist() syncs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--prompt-len", type=int, default=42)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -61,12 +63,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(args.model)
-    runner = load_runner(path, "cpu", "float32", kv_memory_gb=0.25)
+    runner = load_runner(path, args.device, args.dtype, kv_memory_gb=0.25)
     hf = None
     if not args.skip_hf:
-        hf = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32
-        ).eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=runner.dtype)
+            .to(runner.device)
+            .eval()
+        )
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, runner.vocab_size, args.prompt_len).tolist()
     n = args.new_tokens
