@@ -171,6 +171,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
                     label=f"{name}, w={w}",
                 )
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("frontier tokens per draft step (n*w)")
     ax.set_ylabel("draft step latency (ms, median)")
     ax.set_title(title)
