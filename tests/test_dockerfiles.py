@@ -203,7 +203,7 @@ def test_constraints_pin_the_whole_runtime_dependency_tree() -> None:
     """Every package `pip install .` pulls in has a pin (versions here may differ from
     CI's fresh install; names may not: regenerate with docker/freeze_constraints.py)."""
     pins = constraints()
-    needed = freeze_constraints.closure(freeze_constraints.ROOTS)
+    needed = freeze_constraints.closure(freeze_constraints.roots())
     missing = sorted(set(needed) - set(pins))
     assert not missing, f"not in docker/constraints.txt: {missing}"
 
