@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.cuda")
 APP_UID = 10001
+REGENERATE = "regenerate: .venv/bin/python docker/freeze_constraints.py > docker/constraints.txt"
 
 sys.path.insert(0, str(DOCKER))
 import freeze_constraints  # noqa: E402
@@ -205,7 +206,7 @@ def test_constraints_pin_the_whole_runtime_dependency_tree() -> None:
     pins = constraints()
     needed = freeze_constraints.closure(freeze_constraints.roots())
     missing = sorted(set(needed) - set(pins))
-    assert not missing, f"not in docker/constraints.txt: {missing}"
+    assert not missing, f"not in docker/constraints.txt: {missing}; {REGENERATE}"
 
 
 def test_constraints_satisfy_the_declared_dependencies() -> None:
@@ -217,8 +218,10 @@ def test_constraints_satisfy_the_declared_dependencies() -> None:
         req = Requirement(line)
         if req.marker is not None and not req.marker.evaluate():
             continue
-        version = pins[canonicalize_name(req.name)]
-        assert req.specifier.contains(version, prereleases=True), f"{line} vs {version}"
+        version = pins.get(canonicalize_name(req.name))
+        assert version is not None and req.specifier.contains(version, prereleases=True), (
+            f"{line} vs docker/constraints.txt {version}: {REGENERATE}"
+        )
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
