@@ -60,7 +60,9 @@ def make_served_model(path: Path, seed: int = 0, **overrides: object) -> Path:
     return path
 
 
-def greedy_reference(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def greedy_reference(
+    model_dir: Path, prompt_ids: list[int], max_tokens: int, eos: tuple[int, ...] = (IM_END,)
+) -> list[int]:
     """The target's own greedy continuation (Hugging Face, no adaserve code), ending
     with eos if it was generated (the engine streams and counts eos too, as vLLM)."""
     import torch
@@ -74,7 +76,7 @@ def greedy_reference(model_dir: Path, prompt_ids: list[int], max_tokens: int) ->
             tok = int(torch.argmax(logits))
             out.append(tok)
             ids.append(tok)
-            if tok == IM_END:
+            if tok in eos:
                 break
     return out
 

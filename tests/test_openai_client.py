@@ -429,3 +429,36 @@ def test_verifier_dns_discovers_units(stack: Stack, tmp_path: Path) -> None:
         assert client.completions.create(model="tiny", prompt="a", max_tokens=2).usage
     finally:
         proc.stop()
+
+
+def test_smollm2_chat_equals_its_own_greedy_output(tmp_path: Path) -> None:
+    """The embedded SmolLM2-135M-Instruct (real tokenizer and chat template) behind the
+    gateway: the chat answer equals the model's own greedy output in transformers."""
+    from transformers import AutoTokenizer
+
+    from adaserve.model.loader import resolve_model
+
+    target = resolve_model("embedded")
+    vproc, vaddr = start_verifier(tmp_path, Path("embedded"), None, name="smollm2")
+    try:
+        with grpc.insecure_channel(vaddr) as ch:
+            info = vgrpc.VerifierStub(ch).Info(vpb.InfoRequest())
+        gproc, url = start_gateway(tmp_path, "--verifier", vaddr, wait_path="/ready")
+    except BaseException:
+        vproc.stop()
+        raise
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=24, temperature=0
+        )
+        tok = AutoTokenizer.from_pretrained(target)
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(rendered, add_special_tokens=False)
+        ref = greedy_reference(target, ids, 24, eos=tuple(info.eos_token_ids))
+        assert out.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref))
+    finally:
+        gproc.stop()
+        vproc.stop()
