@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -30,18 +33,13 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
-def single_thread():
-    """Context for loops of tiny torch ops: on a shared, oversubscribed CPU an intra-op
-    thread pool turns a microsecond softmax into milliseconds of barrier waiting."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    return ctx()
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """For loops of tiny torch ops: on a shared, oversubscribed CPU an intra-op thread
+    pool turns a microsecond softmax into milliseconds of barrier waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -43,7 +43,9 @@ def noisy_drafter_dir(tiny_llama_dir, tmp_path_factory):
     g = torch.Generator().manual_seed(11)
     for f in out.glob("*.safetensors"):
         state = load_file(f)
-        noisy = {k: v + 0.15 * v.std() * torch.randn(v.shape, generator=g) for k, v in state.items()}
+        noisy = {
+            k: v + 0.15 * v.std() * torch.randn(v.shape, generator=g) for k, v in state.items()
+        }
         save_file(noisy, f, metadata={"format": "pt"})
     return out
 
