@@ -175,11 +175,13 @@ def start_verifier(
     config: str = TEST_CONFIG,
     name: str = "verifier",
     metrics_port: int = -1,
+    port: int | None = None,
 ) -> tuple[Proc, str]:
-    """A verifier process on a free port, serving (model loaded) when this returns."""
+    """A verifier process (on a free port unless given), serving (model loaded) when
+    this returns."""
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(config)
-    port = free_port()
+    port = port or free_port()
     args = [
         "verifier",
         "--host",
