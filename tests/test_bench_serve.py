@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from adaserve.cli import main
 
-# ms per token the test server streams at, per class; chat misses its 20 ms SLO.
-PACE_MS = {"coding": 5.0, "chat": 40.0}
+# ms per token the test server streams at, per class; chat misses the 30 ms SLO by far
+# (margins wide enough for a loaded CI machine).
+PACE_MS = {"coding": 2.0, "chat": 70.0}
 
 
 def _app(seen: list[dict]) -> FastAPI:
@@ -82,7 +83,7 @@ def _workload(tmp_path: Path, classes: dict) -> Path:
         "classes": {
             name: {
                 "weight": w,
-                "slo": {"tpot_ms": 20.0},
+                "slo": {"tpot_ms": 30.0},
                 "prompt_tokens": {"dist": "constant", "mean": 12},
                 "output_tokens": {"dist": "constant", "mean": 8},
             }
@@ -103,11 +104,11 @@ def test_bench_measures_tpot_and_attainment(server, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     pc = s["per_class"]
     assert pc["coding"]["slo_attainment"] == 1.0 and pc["chat"]["slo_attainment"] == 0.0
-    assert 4.0 <= pc["coding"]["tpot_p50_ms"] < 15.0
-    assert 38.0 <= pc["chat"]["tpot_p50_ms"] < 60.0
+    assert 2.0 <= pc["coding"]["tpot_p50_ms"] < 30.0
+    assert 68.0 <= pc["chat"]["tpot_p50_ms"] < 150.0
     assert s["requests"] == len(seen) > 3 and s["errors"] == 0
     body = seen[0]
-    assert body["stream"] and body["ignore_eos"] and body["tpot_slo_ms"] == 20.0
+    assert body["stream"] and body["ignore_eos"] and body["tpot_slo_ms"] == 30.0
     assert len(body["prompt"]) == 12 and body["max_tokens"] == 8
     records = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert all(r["num_tokens"] == 8 and r["finish_reason"] == "length" for r in records)
