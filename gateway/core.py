@@ -73,15 +73,20 @@ class Gateway:
         gen = Generation(self, spec)
         self.metrics.in_flight.inc()
         tried: set[str] = set()
+        refused: APIError | None = None
         try:
             while True:
-                unit = self.router.pick(spec.model, frozenset(tried))
+                try:
+                    unit = self.router.pick(spec.model, frozenset(tried))
+                except APIError as err:
+                    # Every unit tried: a full one's 429 says more than "none left".
+                    raise (refused if refused is not None and tried else err) from None
                 tried.add(unit.address)
                 try:
                     await gen.submit(unit)
                     return gen
-                except _Retry:
-                    continue  # that unit went away before admitting: try another
+                except _Retry as retry:  # gone or full before admitting: try another
+                    refused = retry.error if retry.error.status == 429 else refused
         except APIError as err:
             gen.status = err.status
             await gen.aclose()
@@ -92,7 +97,9 @@ class Gateway:
 
 
 class _Retry(Exception):
-    pass
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class Generation:
@@ -122,10 +129,13 @@ class Generation:
             first = await self._call.read()
         except grpc.aio.AioRpcError as err:
             self._release()
+            api = from_grpc(err, unit.address)
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.gw.router.mark_failed(unit, f"Generate: {err.details()}")
-                raise _Retry() from err
-            raise from_grpc(err, unit.address) from err
+                raise _Retry(api) from err
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _Retry(api) from err
+            raise api from err
         if first is grpc.aio.EOF:
             self._release()
             raise APIError(502, f"serving unit {unit.address} closed the stream before admission")

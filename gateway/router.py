@@ -69,7 +69,7 @@ class Router:
         for addr in addresses:
             parse_address(addr, "--verifier")
         self.static = list(dict.fromkeys(addresses))
-        self.dns = parse_address(dns, '--verifier-dns') if dns else None
+        self.dns = parse_address(dns, "--verifier-dns") if dns else None
         self.interval_s = interval_s
         self.check_timeout_s = check_timeout_s
         self.units: dict[str, Unit] = {}
