@@ -99,6 +99,7 @@ class BetaDraft:
 class TraceRecord:
     probs: tuple[float, ...]  # the drafter's top-k conditional probabilities, descending
     chosen: int  # index of the child the target picked, -1 for none of them
+    full: bool = True  # the node kept its whole top-k (beam search may prune children)
 
 
 def load_trace(path: str | Path) -> list[TraceRecord]:
@@ -113,11 +114,12 @@ def load_trace(path: str | Path) -> list[TraceRecord]:
             obj = json.loads(line)
             probs = tuple(float(x) for x in obj["probs"])
             chosen = int(obj["chosen"])
+            full = bool(obj.get("full", True))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{p}:{lineno}: bad trace record ({exc})") from exc
         if not probs or chosen < -1 or chosen >= len(probs):
             raise ValueError(f"{p}:{lineno}: need probs non-empty and -1 <= chosen < len(probs)")
-        records.append(TraceRecord(probs, chosen))
+        records.append(TraceRecord(probs, chosen, full))
     if not records:
         raise ValueError(f"{p}: the acceptance trace is empty")
     return records
@@ -156,6 +158,8 @@ class ReplayDraft:
 
     @staticmethod
     def from_records(records: list[TraceRecord]) -> ReplayDraft:
+        # Pruned nodes hold only a prefix of their top-k: sample whole vectors only.
+        records = [r for r in records if r.full] or records
         k_max = max(len(r.probs) for r in records)
         table = np.full((len(records), k_max), Q_FLOOR)
         for i, r in enumerate(records):

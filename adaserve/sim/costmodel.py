@@ -14,7 +14,8 @@ writes the same format for the machine at hand):
     kv_capacity_tokens: 500000
 
 Between points latency is linear; beyond the last point it continues the last segment
-(a forward twice as large costs about twice as much), below the first it is clamped.
+(a forward twice as large costs about twice as much; a falling last segment, noise in a
+measured table, is held flat), below the first it is clamped.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
     if len(xs) == 1 or x <= xs[0]:
         return float(ys[0])
     if x >= xs[-1]:  # continue the last segment: cost keeps growing with size
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        # (never shrinking: a noisy measured table must not extrapolate below zero)
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
         return float(ys[-1] + slope * (x - xs[-1]))
     return float(np.interp(x, xs, ys))
 

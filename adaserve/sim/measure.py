@@ -1,0 +1,197 @@
+"""Measuring a hardware profile for a real target/drafter pair on this machine.
+
+Times the model runners directly (median of `reps` after a warm-up):
+
+- verify: one target forward of T tree tokens spread over up to 8 sequences whose
+  committed context sums to C (scratch dropped after each forward);
+- draft step: one drafter forward of n*w single-token frontier nodes, all logits;
+- prefill: one target forward of a P-token prompt, last row's logits only.
+
+The budget is the knee of the verify curve, taken as the largest measured token count
+whose forward costs at most twice a single-token one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from adaserve.sim.costmodel import Curve, HardwareProfile, Surface
+
+MAX_SEQS = 8
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    contexts: tuple[int, ...] = (0, 512, 2048)
+    draft_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefill_tokens: tuple[int, ...] = (16, 64, 256, 512, 1024)
+    reps: int = 3
+
+
+def _median_ms(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up: first-call allocations and lazy inits are not the steady state
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+class _Seqs:
+    """Up to MAX_SEQS sequences with committed context on one runner."""
+
+    def __init__(self, runner, prefix: str, context: int, rng: np.random.Generator) -> None:
+        from adaserve.model.runner import SeqInput
+
+        self.runner = runner
+        self.ids = [f"{prefix}{i}" for i in range(MAX_SEQS)]
+        per = max(1, context // MAX_SEQS)
+        for sid in self.ids:
+            runner.add_sequence(sid)
+            toks = rng.integers(0, runner.vocab_size, size=per, dtype=np.int32)
+            runner.forward([SeqInput.chain(sid, toks)], logits_indices=[per - 1])
+            runner.commit(sid, range(per))
+
+    def forward(self, tokens: int, rng: np.random.Generator, chain: bool, all_logits: bool):
+        """`tokens` new nodes over min(tokens, MAX_SEQS) sequences; scratch dropped."""
+        from adaserve.model.runner import SeqInput
+
+        k = min(tokens, MAX_SEQS)
+        sizes = [tokens // k + (1 if i < tokens % k else 0) for i in range(k)]
+        inputs = []
+        for sid, m in zip(self.ids, sizes, strict=False):
+            toks = rng.integers(0, self.runner.vocab_size, size=m, dtype=np.int32)
+            parents = np.arange(-1, m - 1, dtype=np.int32) if chain else np.full(m, -1, np.int32)
+            inputs.append(SeqInput(sid, toks, parents))
+        if all_logits:
+            self.runner.forward(inputs)
+        else:
+            self.runner.forward(inputs, last_only=True)
+        for sid in self.ids[:k]:
+            self.runner.commit(sid, [])
+
+    def free(self) -> None:
+        for sid in self.ids:
+            self.runner.free(sid)
+
+
+def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
+    limit = runner.max_model_len - max(grid.tokens) - 1
+    contexts = [c for c in grid.contexts if c // MAX_SEQS <= limit] or [0]
+    rows = []
+    for c in contexts:
+        seqs = _Seqs(runner, f"v{c}-", c, rng)
+        row = []
+        for t in grid.tokens:
+            ms = _median_ms(
+                lambda t=t, s=seqs: s.forward(t, rng, chain=True, all_logits=True), grid.reps
+            )
+            row.append(ms)
+            log(f"verify  tokens={t:<5} context={c:<6} {ms:8.2f} ms")
+        seqs.free()
+        rows.append(row)
+    return Surface(tokens=list(grid.tokens), context=[float(c) for c in contexts], ms=rows)
+
+
+def measure_draft(runner, grid: ProfileGrid, rng, log=print) -> Curve:
+    seqs = _Seqs(runner, "d-", 64 * MAX_SEQS, rng)
+    ms = []
+    for t in grid.draft_tokens:
+        m = _median_ms(lambda t=t: seqs.forward(t, rng, chain=False, all_logits=True), grid.reps)
+        ms.append(m)
+        log(f"draft   tokens={t:<5} {m:8.2f} ms")
+    seqs.free()
+    return Curve(tokens=list(grid.draft_tokens), ms=ms)
+
+
+def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
+    from adaserve.model.runner import SeqInput
+
+    points = [p for p in grid.prefill_tokens if p < runner.max_model_len] or [1]
+    ms = []
+    for p in points:
+
+        def once(p: int = p) -> None:
+            runner.add_sequence("prefill")
+            toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
+            runner.forward([SeqInput.chain("prefill", toks)], logits_indices=[p - 1])
+            runner.free("prefill")
+
+        m = _median_ms(once, grid.reps)
+        ms.append(m)
+        log(f"prefill tokens={p:<5} {m:8.2f} ms")
+    return Curve(tokens=[float(p) for p in points], ms=ms)
+
+
+def knee_budget(verify: Surface) -> int:
+    """Largest measured token count costing at most twice a single-token forward."""
+    base = verify(verify.tokens[0], verify.context[0])
+    fits = [t for t in verify.tokens if verify(t, verify.context[0]) <= 2.0 * base]
+    return int(max(fits or [verify.tokens[0]]))
+
+
+def measure_profile(
+    target,
+    drafter,
+    name: str,
+    grid: ProfileGrid | None = None,
+    description: str = "",
+    target_name: str = "",
+    drafter_name: str = "",
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> HardwareProfile:
+    """A profile from loaded runners (`drafter` may be None: the draft table is then
+    a zero-cost placeholder and only non-speculative policies are meaningful)."""
+    grid = grid or ProfileGrid()
+    rng = np.random.default_rng(seed)
+    verify = measure_verify(target, grid, rng, log)
+    draft = (
+        measure_draft(drafter, grid, rng, log)
+        if drafter is not None
+        else Curve(tokens=[1.0], ms=[0.0])
+    )
+    prefill = measure_prefill(target, grid, rng, log)
+    cache = getattr(target, "cache", None)
+    capacity = None
+    if cache is not None:
+        capacity = int(cache.allocator.num_blocks * cache.block_size)
+    return HardwareProfile(
+        name=name,
+        description=description,
+        target=target_name,
+        drafter=drafter_name,
+        verify=verify,
+        draft_step=draft,
+        prefill=prefill,
+        kv_capacity_tokens=capacity or 500_000,
+        max_model_len=int(target.max_model_len),
+        vocab_size=int(target.vocab_size),
+        budget=knee_budget(verify),
+    )
+
+
+def grid_from_args(
+    tokens: Sequence[int] | None,
+    contexts: Sequence[int] | None,
+    reps: int | None,
+    max_tokens: int | None = None,
+) -> ProfileGrid:
+    g = ProfileGrid()
+    toks = tuple(tokens) if tokens else g.tokens
+    if max_tokens:
+        toks = tuple(t for t in toks if t <= max_tokens) or (1,)
+    return ProfileGrid(
+        tokens=toks,
+        contexts=tuple(contexts) if contexts else g.contexts,
+        draft_tokens=tuple(t for t in g.draft_tokens if t <= max(toks)) or (1,),
+        prefill_tokens=g.prefill_tokens,
+        reps=reps or g.reps,
+    )

@@ -1,0 +1,74 @@
+"""`adaserve profile` on tiny random checkpoints: a loadable profile and a replayable
+acceptance trace (timings on a shared CPU are noisy: only their shape is checked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from adaserve.cli import main
+from adaserve.sim.acceptance import AcceptanceSettings, build_acceptance, load_trace
+from adaserve.sim.costmodel import Surface, load_profile
+from adaserve.sim.measure import knee_budget
+
+
+def test_profile_and_trace_from_real_runners(tiny_llama_dir: Path, tmp_path: Path):
+    out, trace = tmp_path / "cpu.yaml", tmp_path / "acc.jsonl"
+    rc = main(
+        [
+            "profile",
+            "--target",
+            str(tiny_llama_dir),
+            "--drafter",
+            str(tiny_llama_dir),
+            "--out",
+            str(out),
+            "--tokens",
+            "1,4,8",
+            "--contexts",
+            "0,64",
+            "--reps",
+            "1",
+            "--trace",
+            str(trace),
+            "--trace-steps",
+            "3",
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    p = load_profile(out)
+    assert p.name == "cpu" and p.vocab_size == 256
+    assert p.verify.tokens == [1, 4, 8] and p.verify.context == [0, 64]
+    assert all(m > 0 for row in p.verify.ms for m in row)
+    assert p.prefill_ms(100) > 0 and p.draft_ms(4) > 0 and p.baseline_ms() > 0
+    assert p.budget in (1, 4, 8)
+    records = load_trace(trace)
+    assert records and all(0 < q <= 1 for r in records for q in r.probs)
+    assert any(r.full for r in records)
+    cal, draft = build_acceptance(AcceptanceSettings(mode="replay", trace=str(trace)))
+    rng = np.random.default_rng(0)
+    assert np.all((cal(np.linspace(0, 1, 11), rng) >= 0) & (cal(np.linspace(0, 1, 11), rng) <= 1))
+    assert draft(3, 2, rng).shape == (3, 2)
+
+
+def test_knee_budget():
+    s = Surface(tokens=[1, 16, 64, 128, 256], ms=[[30, 32, 40, 58, 90]])
+    assert knee_budget(s) == 128
+
+
+def test_profile_bad_model(tmp_path: Path, capsys):
+    rc = main(
+        [
+            "profile",
+            "--target",
+            str(tmp_path / "missing"),
+            "--drafter",
+            "none",
+            "--out",
+            str(tmp_path / "p.yaml"),
+        ]
+    )
+    assert rc == 2
+    assert "missing" in capsys.readouterr().err
