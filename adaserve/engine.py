@@ -42,6 +42,11 @@ class EngineFull(RuntimeError):
     """The waiting queue is full: callers answer 429 / RESOURCE_EXHAUSTED."""
 
 
+class SLOUnattainable(ValueError):
+    """The SLO is below what this deployment can ever reach and the policy
+    (`engine.unattainable_slo: reject`) refuses such requests (400 / INVALID_ARGUMENT)."""
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     model: str
@@ -187,9 +192,17 @@ class Engine:
         self._reserved = 0
         self._iterations = 0
         self._arrivals = itertools.count()
+        # Ids of submitted, not yet retired requests: a second request under a live id
+        # would share the first one's KV sequence and fail the whole batch.
+        self._live_ids: set[str] = set()
+        self._live_lock = threading.Lock()
         self._drafter_healthy = True
         self._scheduler_healthy = True
         self._drafter_retry_at = 0.0
+        # Retired requests whose draft state is still to be freed: one Release per
+        # iteration, and none while the drafter is down (a hung drafter would otherwise
+        # cost a timeout per finishing request).
+        self._release_backlog: list[str] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -199,6 +212,17 @@ class Engine:
         self._validate(req)
         if self._inbox.qsize() + len(self._waiting) >= self.settings.engine.max_queue:
             raise EngineFull("server is at capacity: too many queued requests")
+        if self.settings.engine.unattainable_slo == "reject" and (
+            req.tpot_slo_ms < (floor := self._slo_floor_ms())
+        ):
+            raise SLOUnattainable(
+                f"tpot_slo_ms {req.tpot_slo_ms:g} is below this deployment's floor "
+                f"({floor:.3g} ms per token)"
+            )
+        with self._live_lock:
+            if req.id in self._live_ids:
+                raise ValueError(f"request id {req.id!r} is already in flight")
+            self._live_ids.add(req.id)
         stream = RequestStream(req.id)
         self._inbox.put(("submit", (req, stream, self.clock())))
         self._wake.set()
@@ -261,6 +285,7 @@ class Engine:
         self._expire_deadlines()
         self._admit()
         if not self._running:
+            self._flush_releases()
             return
         t0 = self.clock()
         batch = list(self._running.values())
@@ -286,6 +311,7 @@ class Engine:
             self._record_spec(tree, res.accepted_nodes)
             self._apply(r, res.emitted_tokens.tolist(), t3)
         self._observe_iteration(batch, selected, t0, t1, t2, t3)
+        self._flush_releases()
 
     # ---- iteration phases ----------------------------------------------------------
 
@@ -510,13 +536,16 @@ class Engine:
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
 
-    def _judge_best_effort(self, r: _Request) -> bool:
-        """An SLO tighter than plain decoding's per-token latency divided by the most
-        tokens one iteration can emit can never be met: the request is served
-        best-effort and flagged, not refused."""
+    def _slo_floor_ms(self) -> float:
+        """Plain decoding's per-token latency divided by the most tokens one iteration
+        can emit: no SLO below it can ever be met."""
         depth_max = self.settings.scheduler.adaptive.d_max if self.drafter is not None else 0
-        floor_ms = self.tspec.predict_ms(1) / (depth_max + 1)
-        if r.req.tpot_slo_ms < floor_ms:
+        return self.tspec.predict_ms(1) / (depth_max + 1)
+
+    def _judge_best_effort(self, r: _Request) -> bool:
+        """An unattainable SLO (policy `best_effort`; `reject` refused it at submit) is
+        served best-effort and flagged, not refused."""
+        if r.req.tpot_slo_ms < self._slo_floor_ms():
             metrics.best_effort_total.labels(r.req.slo_class or "custom").inc()
             return True
         return False
@@ -562,19 +591,29 @@ class Engine:
 
     def _retire(self, r: _Request, reason: str) -> None:
         r.finished = True
+        with self._live_lock:
+            self._live_ids.discard(r.req.id)
         if r in self._waiting:
             self._waiting.remove(r)
         if self._running.pop(r.req.id, None) is not None:
             self.target.free(r.req.id)
             self._reserved -= r.reserved_tokens
             if self.drafter is not None and r.drafter_len:
-                try:
-                    self.drafter.release([r.req.id])
-                except Exception as exc:  # the drafter re-syncs lazily; never fail on release
-                    self._drafter_failed(exc)
+                self._release_backlog.append(r.req.id)
         self._record_finish(r, reason)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
+
+    def _flush_releases(self) -> None:
+        if not self._release_backlog or self.drafter is None:
+            return
+        if not self._drafter_healthy and self.clock() < self._drafter_retry_at:
+            return
+        ids, self._release_backlog = self._release_backlog, []
+        try:
+            self.drafter.release(ids)
+        except Exception as exc:  # a restarted drafter holds none of it; never fail on this
+            self._drafter_failed(exc)
 
     # ---- failure handling (logged once per episode, counted every iteration) -------
 

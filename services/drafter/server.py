@@ -4,6 +4,8 @@ The drafter owns per-request draft KV, so calls must not interleave: they run on
 a time on a single worker thread. That keeps the event loop free for health checks
 while the model computes (torch releases the GIL inside its kernels). Lost state is
 an answer (SpeculateResponse.lost_ids), not an error, so the engine re-syncs those ids.
+A call whose deadline passed while it waited for the worker is dropped unrun: its
+caller has already fallen back, and running it would only delay the calls behind it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import grpc
 
 from adaserve.model.kv_cache import KVCacheFull
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from adaserve.speculate import BeamDrafter, DrafterStateLost
+from adaserve.speculate import BeamDrafter, DrafterStateLost, DraftUpdate
+from adaserve.tree import CandidateTree
+from services.common import faults
 from services.common.convert import speculate_request_from_pb, trees_to_pb
 from services.common.server import GrpcServer, Service
 
@@ -26,10 +30,15 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 T = TypeVar("T")
 
 
+class DeadlinePassed(Exception):
+    """The caller's deadline passed before the call reached the worker."""
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: BeamDrafter) -> None:
         self.drafter = drafter
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self._fault_delay_s = faults.delay_s(faults.DRAFTER_DELAY_ENV)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -40,8 +49,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         t0 = time.perf_counter_ns()
         updates, depth, width = speculate_request_from_pb(request)
         t1 = time.perf_counter_ns()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            trees = await self._run(self.drafter.speculate, updates, depth, width)
+            trees = await self._run(self._speculate, updates, depth, width, deadline)
         except DrafterStateLost as lost:
             t2 = time.perf_counter_ns()
             return drafter_pb2.SpeculateResponse(
@@ -51,6 +62,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         reply = drafter_pb2.SpeculateResponse(trees=trees_to_pb(trees))
         reply.timing.CopyFrom(_timing(t0, t1, t2, time.perf_counter_ns()))
         return reply
+
+    def _speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, deadline: float | None
+    ) -> list[CandidateTree]:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlinePassed("the caller's deadline passed while the call was queued")
+        if self._fault_delay_s:
+            time.sleep(self._fault_delay_s)  # fault injection (services/common/faults.py)
+        return self.drafter.speculate(updates, depth, width)
 
     async def Release(
         self, request: drafter_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -86,5 +106,8 @@ def build_server(drafter: BeamDrafter, host: str, port: int, *, grace_s: float =
         host,
         port,
         grace_s=grace_s,
-        error_codes={KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED},
+        error_codes={
+            KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+            DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+        },
     )

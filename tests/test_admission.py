@@ -1,0 +1,140 @@
+"""Admission control in one process (real tiny models): bounded queues when the KV cache
+is exhausted, duplicate request ids refused before they can share a KV sequence, the
+`engine.unattainable_slo` policy, and draft-state releases that never cost a drafter
+timeout per finishing request while the drafter is down."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from adaserve import metrics
+from adaserve.config import load_settings
+from adaserve.engine import Engine, EngineFull, SLOUnattainable
+from adaserve.model.loader import load_runner
+from adaserve.scheduler import LocalScheduler
+from adaserve.speculate import BeamDrafter, DraftUpdate
+from adaserve.target import RunnerTarget
+from adaserve.tree import CandidateTree
+from tests.conftest import make_tiny_model
+from tests.test_engine import PROMPTS, hf_greedy, req, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model(tmp_path_factory.mktemp("admission-target"), "llama", seed=0)
+
+
+def engine_with(
+    target_dir, *, kv_blocks: int = 512, drafter: object = None, **engine: object
+) -> Engine:
+    settings = load_settings(None, engine={"kv_block_size": 16, **engine})
+    runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=kv_blocks)
+    return Engine(
+        target=RunnerTarget(runner, eos_token_ids=()),
+        drafter=drafter,
+        scheduler=LocalScheduler(settings.scheduler),
+        settings=settings,
+    )
+
+
+def test_kv_exhausted_requests_wait_in_a_bounded_queue(target_dir) -> None:
+    # 10 blocks of 16 = 160 tokens; each request reserves 5 + 40 (+1 tree node) plus a
+    # block of slack: two run, the next two wait, the fifth is refused (max_queue 2).
+    engine = engine_with(target_dir, kv_blocks=10, max_queue=2, max_running=64)
+    streams = [engine.submit(req(i, PROMPTS[0], 40, 50.0)) for i in range(2)]
+    engine.step()
+    streams += [engine.submit(req(i, PROMPTS[0], 40, 50.0)) for i in range(2, 4)]
+    engine.step()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting) == (2, 2)
+    with pytest.raises(EngineFull):
+        engine.submit(req(4, PROMPTS[0], 40, 50.0))
+    res = run_to_completion(engine, streams)
+    ref = hf_greedy(target_dir, PROMPTS[0], 40)
+    assert all(res["tokens"][f"r{i}"] == ref for i in range(4))
+    assert engine.target.kv_usage() == 0.0
+
+
+def test_a_live_request_id_cannot_be_reused(target_dir) -> None:
+    engine = engine_with(target_dir)
+    first = engine.submit(req(0, PROMPTS[1], 12, 50.0))
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.submit(req(0, PROMPTS[2], 12, 50.0))
+    res = run_to_completion(engine, [first])
+    assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[1], 12)
+    again = engine.submit(req(0, PROMPTS[2], 5, 50.0))  # retired: the id is free again
+    assert run_to_completion(engine, [again])["tokens"]["r0"] == hf_greedy(
+        target_dir, PROMPTS[2], 5
+    )
+
+
+def test_unattainable_slo_is_served_best_effort_by_default(target_dir) -> None:
+    engine = engine_with(target_dir)
+    before = metrics.best_effort_total.labels("custom")._value.get()
+    tight = engine.submit(req(0, PROMPTS[0], 4, 0.001))
+    fine = engine.submit(req(1, PROMPTS[0], 4, 500.0))
+    flags: dict[str, set[bool]] = {"r0": set(), "r1": set()}
+    for _ in range(50):
+        engine.step()
+        for s in (tight, fine):
+            while (d := s.get(timeout=0)) is not None:
+                flags[s.request_id].add(d.best_effort)
+    assert flags == {"r0": {True}, "r1": {False}}
+    assert metrics.best_effort_total.labels("custom")._value.get() == before + 1
+
+
+def test_unattainable_slo_is_refused_under_the_reject_policy(target_dir) -> None:
+    engine = engine_with(target_dir, unattainable_slo="reject")
+    with pytest.raises(SLOUnattainable, match="floor"):
+        engine.submit(req(0, PROMPTS[0], 4, 0.001))
+    assert isinstance(SLOUnattainable("x"), ValueError)  # 400 / INVALID_ARGUMENT
+    ok = engine.submit(req(1, PROMPTS[0], 4, 500.0))
+    assert run_to_completion(engine, [ok])["finish"] == {"r1": "length"}
+
+
+class SwitchableDrafter:
+    """A real BeamDrafter behind a switch: `down` makes every call fail as an
+    unreachable service would; `calls` records Release batches."""
+
+    def __init__(self, inner: BeamDrafter) -> None:
+        self.inner = inner
+        self.down = False
+        self.releases: list[list[str]] = []
+
+    def speculate(
+        self, updates: Sequence[DraftUpdate], depth: int, width: int
+    ) -> list[CandidateTree]:
+        if self.down:
+            raise ConnectionError("drafter: UNAVAILABLE")
+        return self.inner.speculate(list(updates), depth, width)
+
+    def release(self, ids: list[str]) -> None:
+        if self.down:
+            raise ConnectionError("drafter: UNAVAILABLE")
+        self.releases.append(list(ids))
+        self.inner.release(ids)
+
+
+def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
+    target_dir,
+) -> None:
+    drafter = SwitchableDrafter(
+        BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=256))
+    )
+    engine = engine_with(target_dir, drafter=drafter)
+    streams = [engine.submit(req(i, PROMPTS[i], 6, 50.0)) for i in range(3)]
+    engine.step()  # speculated once: the drafter holds all three
+    assert drafter.inner.stats().num_sequences == 3
+    drafter.down = True
+    res = run_to_completion(engine, streams)
+    for i in range(3):
+        assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], 6)
+    assert drafter.releases == []  # nothing attempted while it is down
+    drafter.down = False
+    engine._drafter_retry_at = 0.0  # skip the 1 s back-off
+    engine.step()
+    assert sorted(np.concatenate(drafter.releases).tolist()) == ["r0", "r1", "r2"]
+    assert len(drafter.releases) == 1 and drafter.inner.stats().num_sequences == 0
