@@ -1,0 +1,104 @@
+"""`adaserve measure-drafter`: a drafter's acceptance against its target on held-out
+prompts, and its per-token cost.
+
+Greedy: the target writes each prompt's continuation, the drafter predicts every
+continuation token teacher-forced; top-1 agreement and the mean tokens emitted per
+verification step of a width-1 depth-`--depth` chain (bonus included) follow exactly
+(adaserve/distill/measure.py). Cost: median decode-step latency of the runtime's runner
+for each model, one sequence, on the CPU.
+
+    adaserve measure-drafter --target embedded --drafter embedded --limit 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PROMPTS = Path(__file__).resolve().parent.parent / "distill" / "prompts" / "heldout.jsonl"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="embedded", help="target: HF dir, GGUF file or 'embedded'")
+    p.add_argument("--drafter", default="embedded", help="drafter directory or 'embedded'")
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'messages' rows")
+    p.add_argument("--limit", type=int, default=48, help="prompts to use (spread over the file)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16, help="prompts per target generation batch")
+    p.add_argument("--workers", type=int, default=1, help="single-threaded generation processes")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--cost-steps", type=int, default=32, help="decode steps timed per model (0: skip)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _pick(rows: list[dict], limit: int) -> list[dict]:
+    rows = [r for r in rows if "messages" in r]
+    if limit >= len(rows):
+        return rows
+    step = len(rows) / limit  # spread over the file, which mixes categories
+    return [rows[int(i * step)] for i in range(limit)]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from adaserve.distill import measure
+    from adaserve.distill.data import Sequences, read_prompt_file
+    from adaserve.distill.export import load_drafter
+    from adaserve.distill.generate import generate_all
+    from adaserve.distill.weights import load_teacher
+    from adaserve.model.loader import load_tokenizer, resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target_dir = resolve_model(args.target, "target")
+        drafter_dir = resolve_model(args.drafter, "drafter")
+        rows = _pick(read_prompt_file(args.prompts), args.limit)
+        tok = load_tokenizer(args.target)
+        prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
+                   for r in rows]
+        prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        teacher = load_teacher(target_dir)
+        conts = generate_all(teacher, prompt_ids, args.max_new_tokens, [int(tok.eos_token_id)],
+                             args.batch, workers=args.workers, target_dir=target_dir,
+                             desc="target greedy")
+        data = Sequences.build(prompt_ids, conts)
+        student, head, d2t = load_drafter(drafter_dir, target_dir)
+        matches = measure.draft_matches(student, head, d2t, data)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"adaserve measure-drafter: {exc}", file=sys.stderr)
+        return 2
+    overall = measure.summarize(matches, args.depth)
+    by_cat: dict[str, list] = defaultdict(list)
+    for r, m in zip(rows, matches, strict=True):
+        by_cat[r.get("category", "all")].append(m)
+    result = {
+        "target": str(target_dir), "drafter": str(drafter_dir), "prompts": str(args.prompts),
+        **overall.as_dict(),
+        "by_category": {c: measure.summarize(ms, args.depth).as_dict() for c, ms in sorted(by_cat.items())},
+    }
+    if args.cost_steps > 0:
+        from adaserve.distill.cost import decode_ms_per_token
+
+        t_ms = decode_ms_per_token(args.target, "target", args.cost_steps, threads=args.threads)
+        d_ms = decode_ms_per_token(args.drafter, "drafter", args.cost_steps, threads=args.threads)
+        result.update(target_ms_per_token=round(t_ms, 3), drafter_ms_per_token=round(d_ms, 3),
+                      cost_ratio=round(t_ms / d_ms, 2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"held-out prompts: {overall.sequences}, continuation tokens: {overall.tokens}")
+    print(f"top-1 agreement with the target's greedy token: {overall.top1_agreement:.3f}")
+    print(f"mean tokens per verification step (depth-{args.depth} chain, bonus included): "
+          f"{overall.mean_emitted:.3f}")
+    for c, a in result["by_category"].items():
+        print(f"  {c:<10} top-1 {a['top1_agreement']:.3f}  mean emitted {a['mean_emitted']:.3f}  ({a['tokens']} tokens)")
+    if "cost_ratio" in result:
+        print(f"decode ms/token: target {result['target_ms_per_token']:.2f}, drafter "
+              f"{result['drafter_ms_per_token']:.2f}: drafter {result['cost_ratio']:.1f}x cheaper")
+    return 0

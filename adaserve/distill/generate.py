@@ -1,0 +1,180 @@
+"""Batched target generation (greedy or sampled) over left-padded prompts: the
+continuations the drafter is trained to imitate, with the target's top-k
+log-probabilities at every generated position (the distillation labels, so training
+never runs the target again)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from adaserve.distill.llama import KVCache, LlamaModel
+
+TOPK = 32
+
+
+@dataclass
+class Continuation:
+    tokens: list[int]  # ends with an eos id when one was produced
+    topk_ids: torch.Tensor  # int32 [len(tokens), TOPK]: target's most likely next tokens
+    topk_logp: torch.Tensor  # float16 [len(tokens), TOPK]: their log-probabilities (T = 1)
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: LlamaModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    gen: torch.Generator | None = None,
+    topk: int = TOPK,
+) -> list[Continuation]:
+    """Continuations for one batch of prompts."""
+    device = model.embed_tokens.weight.device
+    b, plen = len(prompts), max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("empty prompt")
+    ids = torch.full((b, plen), int(eos_ids[0]), dtype=torch.long, device=device)
+    valid = torch.zeros((b, plen + max_new_tokens), dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, plen - len(p) :] = torch.tensor(list(p), device=device)
+        valid[i, plen - len(p) : plen] = True
+    positions = (valid[:, :plen].long().cumsum(1) - 1).clamp(min=0)
+    cache = KVCache(
+        model.shape,
+        len(model.layers),
+        b,
+        plen + max_new_tokens,
+        device,
+        model.embed_tokens.weight.dtype,
+    )
+    causal = torch.ones(plen, plen, dtype=torch.bool, device=device).tril()
+    # a padding query attends to itself only, so no softmax row is empty
+    mask = (causal[None] & valid[:, None, :plen]) | torch.eye(plen, dtype=torch.bool, device=device)
+    hidden = model(ids, positions, mask[:, None], cache)[:, -1]
+    eos = torch.tensor(list(eos_ids), device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    out = torch.full((b, max_new_tokens), -1, dtype=torch.long, device=device)
+    top_ids = torch.zeros((b, max_new_tokens, topk), dtype=torch.int32, device=device)
+    top_logp = torch.zeros((b, max_new_tokens, topk), dtype=torch.float16, device=device)
+    pos = positions[:, -1]
+    for step in range(max_new_tokens):
+        logits = model.logits(hidden).float()
+        lp, ix = torch.log_softmax(logits, -1).topk(topk, -1)
+        top_ids[:, step], top_logp[:, step] = ix.int(), lp.half()
+        tok = _sample(logits, temperature, top_p, gen)
+        out[:, step] = torch.where(done, -1, tok)
+        done |= torch.isin(tok, eos)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        valid[:, plen + step] = True
+        pos = pos + 1
+        m = valid[:, None, None, : plen + step + 1]
+        hidden = model(tok[:, None], pos[:, None], m, cache)[:, -1]
+    rows, top_ids, top_logp = out.cpu().tolist(), top_ids.cpu(), top_logp.cpu()
+    result = []
+    for r, row in enumerate(rows):
+        n = sum(t >= 0 for t in row)  # generated tokens form a prefix of the row
+        result.append(Continuation(row[:n], top_ids[r, :n].clone(), top_logp[r, :n].clone()))
+    return result
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(target_dir: str) -> None:
+    from adaserve.distill.weights import load_teacher
+
+    torch.set_num_threads(1)  # one thread per process: far faster on a busy shared CPU
+    _WORKER["model"] = load_teacher(Path(target_dir))
+
+
+def _worker_run(task: tuple) -> list[Continuation]:
+    prompts, max_new, eos, temperature, top_p, seed = task
+    gen = torch.Generator().manual_seed(seed)
+    return generate_batch(_WORKER["model"], prompts, max_new, eos, temperature, top_p, gen)
+
+
+def generate_all(
+    model: LlamaModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    batch_size: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    deadline: float | None = None,
+    desc: str = "generate",
+    workers: int = 1,
+    target_dir: Path | None = None,
+) -> list[Continuation | None]:
+    """Continuations in prompt order; None for prompts skipped because `deadline`
+    (a time.monotonic() value) passed. Batches group similar prompt lengths.
+    workers > 1 (CPU only) runs batches in single-threaded processes that each load
+    the target from `target_dir`."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    results: list[Continuation | None] = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", mininterval=2.0)
+
+    def tasks():
+        for k, idx in enumerate(batches):
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            yield ([list(prompts[i]) for i in idx], max_new_tokens, list(eos_ids), temperature, top_p, seed + k)
+
+    def store(idx: list[int], outs: list[Continuation]) -> None:
+        for i, o in zip(idx, outs, strict=True):
+            results[i] = o
+        bar.update(len(idx))
+
+    if workers <= 1:
+        device = model.embed_tokens.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for idx, task in zip(batches, tasks(), strict=False):
+            store(idx, generate_batch(model, task[0], *task[1:5], gen=gen))
+    else:
+        if target_dir is None:
+            raise ValueError("workers > 1 needs target_dir")
+        todo = zip(batches, tasks(), strict=False)  # lazy: the deadline is checked per submit
+        with mp.get_context("spawn").Pool(workers, _worker_init, (str(target_dir),)) as pool:
+            pending: deque = deque()
+
+            def submit() -> None:
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append((nxt[0], pool.apply_async(_worker_run, (nxt[1],))))
+
+            for _ in range(workers):
+                submit()
+            while pending:
+                idx, res = pending.popleft()
+                store(idx, res.get())
+                submit()
+    bar.close()
+    return results
