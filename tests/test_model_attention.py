@@ -55,7 +55,7 @@ def test_reference_matches_naive_on_ragged_batch() -> None:
         torch.randn(t, kv_heads, d),
         torch.randn(t, kv_heads, d),
     )
-    got = backend.attend(0, q, k_new, v_new, storage, backend.plan(batch))
+    got = backend.attend(0, q, torch.stack([k_new, v_new], 1), storage, backend.plan(batch))
     row = 0
     for (_, k), slots, vis in zip(specs, kv_slots, visible, strict=True):
         s = torch.from_numpy(slots)

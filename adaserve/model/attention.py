@@ -36,16 +36,10 @@ class AttentionBackend(Protocol):
         """Build the per-forward metadata, once, before the layers run."""
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv: KVStorage,
-        meta: Any,
+        self, layer: int, q: torch.Tensor, kv_new: torch.Tensor, kv: KVStorage, meta: Any
     ) -> torch.Tensor:
-        """Write k, v [T, kv_heads, D] at their slots, attend q [T, heads, D]; returns
-        [T, heads * D] in packed token order."""
+        """Write kv_new [T, 2, kv_heads, D] (k | v) at the new nodes' slots, then attend
+        q [T, heads, D]; returns [T, heads * D] in packed token order."""
 
 
 @dataclass(frozen=True)
@@ -121,18 +115,16 @@ class ReferenceBackend:
         self,
         layer: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        kv_new: torch.Tensor,
         kv: KVStorage,
         meta: ReferenceMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        cache = kv.kv[layer]  # [slots, 2, kv_heads, D]
+        cache.index_copy_(0, meta.slot_mapping, kv_new)
         b, qn, ln = meta.batch, meta.q_max, meta.kv_max
         hk, g, d = self.num_kv_heads, self.group, self.head_dim
-        keys = k_cache.index_select(0, meta.kv_gather).view(b, ln, hk, d).transpose(1, 2)
-        values = v_cache.index_select(0, meta.kv_gather).view(b, ln, hk, d).transpose(1, 2)
+        ctx = cache.index_select(0, meta.kv_gather).view(b, ln, 2, hk, d)
+        keys, values = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
         if meta.q_gather is not None:
             q = q.index_select(0, meta.q_gather)
         # [B*Q, H, D] -> [B, Hkv, G*Q, D]; head h = kv_head * G + g (HF's repeat_kv order)
@@ -171,8 +163,15 @@ def make_backend(
     """`auto` is the reference backend until the FlashInfer one exists."""
     if name in ("auto", "reference"):
         return ReferenceBackend(num_heads, num_kv_heads, head_dim, device)
+    # GPU backends live in their own modules (issue 8), imported only when asked for.
+    if name == "triton":
+        from adaserve.model.attention_triton import TritonBackend
+
+        return TritonBackend(num_heads, num_kv_heads, head_dim, device)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention backend 'flashinfer' needs a CUDA device")
-        return FlashInferBackend(num_heads, num_kv_heads, head_dim, device)
-    raise ValueError(f"unknown attention backend {name!r} (auto | reference | flashinfer)")
+        from adaserve.model.attention_flashinfer import FlashInferBackend as FlashInfer
+
+        return FlashInfer(num_heads, num_kv_heads, head_dim, device)
+    raise ValueError(f"unknown attention backend {name!r} (auto | reference | triton | flashinfer)")

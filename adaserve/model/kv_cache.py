@@ -97,10 +97,11 @@ class SequenceState:
 
 
 class KVStorage:
-    """The K and V tensors: [num_layers, num_blocks * block_size, kv_heads, head_dim].
+    """K and V together: kv [num_layers, num_blocks * block_size, 2, kv_heads, head_dim].
 
     One slot axis shared by all layers, so a commit moves every layer's KV with one
-    indexed copy."""
+    indexed copy; K and V side by side in a slot, so a layer writes and gathers both
+    with one op each (op count is what a small model's CPU step pays for)."""
 
     def __init__(
         self,
@@ -112,14 +113,21 @@ class KVStorage:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        shape = (num_layers, num_blocks * block_size, 2, kv_heads, head_dim)
         # empty, not zeros: untouched pages cost no memory. Every slot is written before
         # it is read, except slot 0, which the reference backend gathers as padding and
         # masks out; it must hold finite numbers (0 * NaN would leak through softmax).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, 0].zero_()
-        self.v[:, 0].zero_()
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        self.kv[:, 0].zero_()
+
+    @property
+    def k(self) -> torch.Tensor:
+        """[num_layers, slots, kv_heads, head_dim] view."""
+        return self.kv[:, :, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, :, 1]
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -128,8 +136,7 @@ class KVStorage:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots src -> dst in every layer. The right side is gathered before the
         write, so overlapping src/dst (dst <= src along a chain) is safe."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        self.kv[:, dst] = self.kv[:, src]
 
 
 class PagedKVCache:
@@ -187,7 +194,7 @@ class PagedKVCache:
         if moved:
             src, dst = (list(t) for t in zip(*moved, strict=True))
             slots = torch.from_numpy(seq.slots(0, seq.total_len, self.block_size))
-            slots = slots.to(self.storage.k.device)
+            slots = slots.to(self.storage.kv.device)
             self.storage.move(slots[src], slots[dst])
         seq.committed = c + len(keep)
         seq.clear_scratch()

@@ -57,19 +57,17 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: Rotary,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
         backend: AttentionBackend,
         kv: KVStorage,
         meta: Any,
     ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv(x)
-        # RoPE on q and k together: one set of ops for both.
-        qk = rotary.apply(qkv[:, : (self.heads + self.kv_heads) * d].view(t, -1, d), cos, sin)
-        q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        v = qkv[:, (self.heads + self.kv_heads) * d :].view(t, self.kv_heads, d)
-        return self.o_proj(backend.attend(self.layer, q, k, v, kv, meta))
+        t, d, h = x.shape[0], self.head_dim, self.heads
+        qkv = self.qkv(x)  # [T, (heads + 2 * kv_heads) * D]: q | k | v
+        rotary.apply_(qkv[:, : (h + self.kv_heads) * d].view(t, -1, d), rope)  # q and k
+        q = qkv[:, : h * d].view(t, h, d)
+        kv_new = qkv[:, h * d :].view(t, 2, self.kv_heads, d)  # k | v, as the cache stores
+        return self.o_proj(backend.attend(self.layer, q, kv_new, kv, meta))
 
 
 class MLP(nn.Module):
@@ -103,14 +101,13 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rotary: Rotary,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
         backend: AttentionBackend,
         kv: KVStorage,
         meta: Any,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rotary, cos, sin, backend, kv, meta)
-        return x + self.mlp(self.post_norm(x))
+        x = x + self.attn(self.input_norm(x), rotary, rope, backend, kv, meta)
+        return x.add_(self.mlp(self.post_norm(x)))  # x is this layer's own tensor
 
 
 class LlamaModel(nn.Module):
@@ -154,9 +151,9 @@ class LlamaModel(nn.Module):
         """ids, positions: [T]; logits_rows: which of the T tokens need logits (None: all).
         Returns logits [rows, vocab] in the model dtype."""
         x = self.embed(ids)
-        cos, sin = self.rotary.tables(positions)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, self.rotary, cos, sin, backend, kv, meta)
+            x = layer(x, self.rotary, rope, backend, kv, meta)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return self.lm_head(self.norm(x))
@@ -172,9 +169,12 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             qkv = ["q_proj", "k_proj", "v_proj"]
+            heads = [cfg.num_heads, cfg.num_kv_heads, None]  # q, k get the RoPE layout
             layer.attn.qkv.load(
-                [get(f"{a}{n}.weight") for n in qkv],
-                [get(f"{a}{n}.bias") for n in qkv] if cfg.qkv_bias else None,
+                [_rope_rows(get(f"{a}{n}.weight"), nh) for n, nh in zip(qkv, heads, strict=True)],
+                [_rope_rows(get(f"{a}{n}.bias"), nh) for n, nh in zip(qkv, heads, strict=True)]
+                if cfg.qkv_bias
+                else None,
             )
             layer.attn.o_proj.load(get(a + "o_proj.weight"), opt(a + "o_proj.bias"))
             m = p + "mlp."
@@ -188,6 +188,10 @@ class LlamaModel(nn.Module):
         self.norm.weight.copy_(get("model.norm.weight"))
         if not cfg.tie_word_embeddings:
             self.lm_head.load(get("lm_head.weight"))
+
+
+def _rope_rows(w: torch.Tensor, heads: int | None) -> torch.Tensor:
+    return w if heads is None else Rotary.interleave(w, heads)
 
 
 def _prefix(src: WeightSource) -> str:
