@@ -8,7 +8,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -59,11 +59,22 @@ def _units(url: str) -> dict[str, dict]:
     return {u["address"]: u for u in httpx.get(f"{url}/ready").json()["units"]}
 
 
-def _wait(cond, timeout: float = 30.0) -> None:
+def _wait(cond: Callable[[], bool], timeout: float = 30.0, why: Callable[[], str] = str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, f"condition not reached {why()}"
         time.sleep(0.1)
+
+
+def _one_stream_per_unit(url: str, streams: list[Stream]) -> None:
+    """Least outstanding requests: two concurrent streams land on different units."""
+    for s in streams:
+        assert s.first.wait(30) and s.frames, s.error
+    _wait(
+        lambda: all(u["outstanding"] == 1 for u in _units(url).values()),
+        timeout=10,
+        why=lambda: f"units {_units(url)} first frames {[s.frames[:1] for s in streams]}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +108,7 @@ def two_units(target: Path, tmp_path: Path) -> Iterator[tuple[str, list[Proc], l
 def test_unit_killed_mid_stream(two_units, target: Path, tmp_path: Path) -> None:
     url, procs, addrs = two_units
     streams = [Stream(url), Stream(url)]
-    for s in streams:
-        assert s.first.wait(30) and s.frames, s.error
-    # Least outstanding requests: one stream per unit.
-    assert all(u["outstanding"] == 1 for u in _units(url).values())
+    _one_stream_per_unit(url, streams)
 
     procs[0].stop(signal.SIGKILL)
     t0 = time.monotonic()
@@ -122,7 +130,4 @@ def test_unit_killed_mid_stream(two_units, target: Path, tmp_path: Path) -> None
     port = int(addrs[0].rsplit(":", 1)[1])
     procs[0], _ = start_verifier(tmp_path, target, None, name="unit-a-again", port=port)
     _wait(lambda: _units(url)[addrs[0]]["healthy"])
-    again = [Stream(url), Stream(url)]
-    for s in again:
-        assert s.first.wait(30) and s.frames, s.error
-    assert all(u["outstanding"] == 1 for u in _units(url).values())
+    _one_stream_per_unit(url, [Stream(url), Stream(url)])
