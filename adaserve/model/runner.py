@@ -117,24 +117,42 @@ class ModelRunner:
 
         Raises KVCacheFull (nothing changed) when the new nodes do not fit, and
         ValueError / KeyError on malformed input (nothing changed)."""
-        self._validate(inputs)
-        if logits_indices is not None:
-            total = sum(len(x.tokens) for x in inputs)
-            idx = np.asarray(logits_indices)
-            if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= total)):
-                raise ValueError(f"forward: logits_indices must be in [0, {total})")
+        self._validate(inputs, logits_indices)
         self.cache.reserve({x.seq_id: len(x.tokens) for x in inputs})
+        batch, positions = self._append(inputs)
+        meta = self.backend.plan(batch)  # once per forward, read by every layer
+        dev = self.device
+        ids = np.concatenate([np.asarray(x.tokens, dtype=np.int64) for x in inputs])
+        rows = None
+        if last_only:
+            rows = torch.from_numpy(np.cumsum(batch.query_lens) - 1).to(dev)
+        elif logits_indices is not None:
+            rows = torch.as_tensor(np.asarray(logits_indices, dtype=np.int64), device=dev)
+        logits = self.model(
+            torch.from_numpy(ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.backend,
+            self.cache.storage,
+            meta,
+            rows,
+        )
+        return logits.float()
+
+    def _append(self, inputs: list[SeqInput]) -> tuple[TreeBatch, np.ndarray]:
+        """Add the new nodes to each sequence's scratch (blocks already reserved) and
+        describe what they attend to. Returns the batch and positions int64 [T]."""
         bs = self.cache.block_size
         positions, slot_mapping, kv_slots, visible, tables = [], [], [], [], []
         for x in inputs:
             seq = self.cache.get(x.seq_id)
-            before = seq.total_len
-            depths = seq.append_scratch(x.parents.astype(np.int64))
+            k, before = len(x.tokens), seq.total_len
+            depths = seq.append_scratch(np.asarray(x.parents, dtype=np.int64))
             positions.append(seq.committed + depths)
             slot_mapping.append(seq.slots(before, seq.total_len, bs))
             kv_slots.append(seq.slots(0, seq.total_len, bs))
-            vis = np.ones((len(x.tokens), seq.total_len), dtype=bool)
-            vis[:, seq.committed :] = seq.ancestors[-len(x.tokens) :]
+            # The whole committed prefix, plus the node's scratch ancestors and itself.
+            vis = np.ones((k, seq.total_len), dtype=bool)
+            vis[:, seq.committed :] = seq.ancestors[-k:]
             visible.append(vis)
             tables.append(list(seq.block_table))
         batch = TreeBatch(
@@ -144,21 +162,16 @@ class ModelRunner:
             visible=visible,
             block_tables=tables,
         )
-        meta = self.backend.plan(batch)
-        dev = self.device
-        ids = torch.from_numpy(np.concatenate([x.tokens for x in inputs]).astype(np.int64))
-        pos = torch.from_numpy(np.concatenate(positions))
-        rows = None
-        if last_only:
-            rows = torch.from_numpy(np.cumsum(batch.query_lens) - 1).to(dev)
-        elif logits_indices is not None:
-            rows = torch.as_tensor(np.asarray(logits_indices, dtype=np.int64), device=dev)
-        logits = self.model(ids.to(dev), pos.to(dev), self.backend, self.cache.storage, meta, rows)
-        return logits.float()
+        return batch, np.concatenate(positions)
 
-    def _validate(self, inputs: list[SeqInput]) -> None:
+    def _validate(self, inputs: list[SeqInput], logits_indices: Sequence[int] | None) -> None:
         if not inputs:
             raise ValueError("forward: empty batch")
+        if logits_indices is not None:
+            total = sum(len(x.tokens) for x in inputs)
+            idx = np.asarray(logits_indices)
+            if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= total)):
+                raise ValueError(f"forward: logits_indices must be in [0, {total})")
         seen: set[str] = set()
         for x in inputs:
             if x.seq_id in seen:
