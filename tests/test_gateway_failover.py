@@ -66,17 +66,6 @@ def _wait(cond: Callable[[], bool], timeout: float = 30.0, why: Callable[[], str
         time.sleep(0.1)
 
 
-def _one_stream_per_unit(url: str, streams: list[Stream]) -> None:
-    """Least outstanding requests: two concurrent streams land on different units."""
-    for s in streams:
-        assert s.first.wait(30) and s.frames, s.error
-    _wait(
-        lambda: all(u["outstanding"] == 1 for u in _units(url).values()),
-        timeout=10,
-        why=lambda: f"units {_units(url)} first frames {[s.frames[:1] for s in streams]}",
-    )
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_served_model(tmp_path_factory.mktemp("failover") / "target", seed=0)
@@ -107,27 +96,44 @@ def two_units(target: Path, tmp_path: Path) -> Iterator[tuple[str, list[Proc], l
 
 def test_unit_killed_mid_stream(two_units, target: Path, tmp_path: Path) -> None:
     url, procs, addrs = two_units
-    streams = [Stream(url), Stream(url)]
-    _one_stream_per_unit(url, streams)
+    # Freeze the unit serving the first stream, so the kill lands mid-stream however
+    # fast the tiny model is; the frozen unit keeps its lease at the gateway.
+    s1 = Stream(url)
+    assert s1.first.wait(30) and s1.frames, s1.error
+    busy = [i for i, a in enumerate(addrs) if _units(url)[a]["outstanding"] == 1]
+    if not busy:
+        pytest.skip("the first stream finished before it could be frozen")
+    x, y = busy[0], 1 - busy[0]
+    procs[x].p.send_signal(signal.SIGSTOP)
+    # Least outstanding requests: the next stream goes to the other unit, and completes
+    # there while the first unit is frozen.
+    s2 = Stream(url)
+    s2.join(60)
+    assert s2.frames[-1] == "data: [DONE]", s2.frames[-3:]
+    assert _units(url)[addrs[x]]["outstanding"] == 1
 
-    procs[0].stop(signal.SIGKILL)
+    procs[x].stop(signal.SIGKILL)
     t0 = time.monotonic()
-    for s in streams:
-        s.join(60)
-    failed = [s for s in streams if s.frames[-1] != "data: [DONE]"]
-    assert len(failed) == 1, [s.frames[-1] for s in streams]
-    last = json.loads(failed[0].frames[-1][len("data: ") :])
+    s1.join(60)
+    assert s1.frames[-1] != "data: [DONE]"
+    last = json.loads(s1.frames[-1][len("data: ") :])
     assert last["error"]["type"] == "service_unavailable_error"
     assert time.monotonic() - t0 < 30
+    _wait(lambda: not _units(url)[addrs[x]]["healthy"])
+    assert _units(url)[addrs[x]]["outstanding"] == 0
 
-    # New requests all succeed: the dead unit is dropped (or retried past).
-    for _ in range(3):
+    for _ in range(3):  # new requests go to the survivor
         r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 3, "stream": False})
         assert r.status_code == 200, r.text
-    _wait(lambda: not _units(url)[addrs[0]]["healthy"])
 
-    # Back on the same address: re-admitted by the health checks.
-    port = int(addrs[0].rsplit(":", 1)[1])
-    procs[0], _ = start_verifier(tmp_path, target, None, name="unit-a-again", port=port)
-    _wait(lambda: _units(url)[addrs[0]]["healthy"])
-    _one_stream_per_unit(url, [Stream(url), Stream(url)])
+    # Back on the same address: re-admitted, and it serves (the other unit is frozen).
+    port = int(addrs[x].rsplit(":", 1)[1])
+    procs[x], _ = start_verifier(tmp_path, target, None, name="unit-again", port=port)
+    _wait(lambda: _units(url)[addrs[x]]["healthy"])
+    procs[y].p.send_signal(signal.SIGSTOP)
+    try:
+        _wait(lambda: not _units(url)[addrs[y]]["healthy"])
+        r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 3, "stream": False})
+        assert r.status_code == 200, r.text
+    finally:
+        procs[y].p.send_signal(signal.SIGCONT)
