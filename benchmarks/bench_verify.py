@@ -37,13 +37,13 @@ def beam_tree(n: int, width: int = 4) -> np.ndarray:
 
 
 def time_forward(
-    runner: ModelRunner, sid: str, tokens: np.ndarray, parents: np.ndarray, sync
+    runner: ModelRunner, sid: str, tokens: np.ndarray, parents: np.ndarray, sync, clock
 ) -> float:
     sync()
-    t0 = time.perf_counter()
+    t0 = clock()
     runner.forward([SeqInput(sid, tokens, parents)])
     sync()
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     runner.commit(sid, [])  # drop the tree, keep the prefix
     return dt
 
@@ -67,6 +67,12 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time (with --threads 1, robust on a shared machine)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = ap.parse_args()
     if args.threads:
@@ -75,6 +81,7 @@ def main() -> None:
     runner = load_runner(args.model, args.device, args.dtype, kv_memory_gb=0.5)
     dev = runner.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rng = np.random.default_rng(0)
     runner.add_sequence("bench")
     prefix = rng.integers(100, runner.vocab_size, args.prefix)
@@ -85,17 +92,17 @@ def main() -> None:
         for n in args.sizes
     }
     for n in args.sizes:  # warm-up: allocator, kernels, caches
-        time_forward(runner, "bench", *trees[n], sync)
+        time_forward(runner, "bench", *trees[n], sync, clock)
     samples: dict[int, list[float]] = {n: [] for n in args.sizes}
     for _ in range(args.reps):
         for n in args.sizes:
-            samples[n].append(time_forward(runner, "bench", *trees[n], sync) * 1e3)
+            samples[n].append(time_forward(runner, "bench", *trees[n], sync, clock) * 1e3)
     med = [statistics.median(samples[n]) for n in args.sizes]
     k = knee(args.sizes, med)
 
     print(
         f"verifier forward, prefix {args.prefix}, {dev} {runner.dtype}, "
-        f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}"
+        f"threads {torch.get_num_threads()}, {args.clock} clock, load avg {os.getloadavg()[0]:.1f}"
     )
     print(f"{'tokens':>6} {'median ms':>10} {'min ms':>8} {'ms/token':>9} {'tok/s':>8}")
     for n, m in zip(args.sizes, med, strict=True):
@@ -110,6 +117,7 @@ def main() -> None:
         "device": str(dev),
         "dtype": str(runner.dtype),
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "prefix": args.prefix,
         "reps": args.reps,
         "load_avg": os.getloadavg()[0],
