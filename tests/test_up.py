@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -87,6 +88,9 @@ def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
             extra_body={"ignore_eos": True},
         )
         assert out.usage.completion_tokens == 5
+        engine_metrics = re.search(r"metrics\s+(\S+)\s+\(verifier-0: engine\)", text)
+        assert engine_metrics, text
+        assert "adaserve_iterations_total" in httpx.get(engine_metrics[1], timeout=10).text
         _shutdown(proc, pids, signal.SIGINT)
     finally:
         proc.stop(signal.SIGKILL)

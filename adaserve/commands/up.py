@@ -67,6 +67,7 @@ class Service:
     args: list[str]  # after `adaserve`
     grpc_address: str | None  # checked with gRPC health; None: the gateway (HTTP /ready)
     log_path: Path
+    metrics_url: str | None = None  # the service's own Prometheus endpoint, if it has one
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -110,32 +111,23 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     cfg = ["--config", args.config] if args.config else []
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     services: list[Service] = []
-
-    def add(name: str, argv: list[str], port: int | None) -> None:
-        addr = f"{loop}:{port}" if port is not None else None
-        services.append(Service(name, [*argv, *cfg], addr, log_dir / f"{name}.log"))
-
     verifiers: list[str] = []
-    if args.all_in_one:
-        port = free_port()
-        add(
-            "verifier-0",
-            [
-                "verifier",
-                "--host",
-                loop,
-                "--port",
-                str(port),
-                "--target",
-                args.target,
-                "--tp",
-                str(args.tp),
-                "--drafter",
-                drafter or "none",
-            ],
-            port,
-        )
+
+    def add(name: str, argv: list[str], port: int | None, metrics_url: str | None = None) -> None:
+        addr = f"{loop}:{port}" if port is not None else None
+        services.append(Service(name, [*argv, *cfg], addr, log_dir / f"{name}.log", metrics_url))
+
+    def add_verifier(name: str, port: int, extra: list[str]) -> None:
+        # The engine's metrics (iteration phases, spec decode, fallbacks) live in the
+        # verifier process, not behind the gateway's /metrics: give each its own port.
+        m_port = free_port()
+        argv = ["verifier", "--host", loop, "--port", str(port), "--target", args.target]
+        argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *extra]
+        add(name, argv, port, f"http://{loop}:{m_port}/metrics")
         verifiers.append(f"{loop}:{port}")
+
+    if args.all_in_one:
+        add_verifier("verifier-0", free_port(), ["--drafter", drafter or "none"])
     else:
         sched_port = free_port()
         add("scheduler", ["scheduler", "--host", loop, "--port", str(sched_port)], sched_port)
@@ -151,24 +143,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
                 extra += ["--drafter-address", f"{loop}:{d_port}"]
             else:
                 extra += ["--drafter", "none"]
-            v_port = free_port()
-            add(
-                f"verifier-{k}",
-                [
-                    "verifier",
-                    "--host",
-                    loop,
-                    "--port",
-                    str(v_port),
-                    "--target",
-                    args.target,
-                    "--tp",
-                    str(args.tp),
-                    *extra,
-                ],
-                v_port,
-            )
-            verifiers.append(f"{loop}:{v_port}")
+            add_verifier(f"verifier-{k}", free_port(), extra)
     grpc_port = args.grpc_port or free_port()
     gw = ["gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port)]
     for v in verifiers:
@@ -297,11 +272,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         launcher.start_all(args.startup_timeout)
         grpc_port = services[-1].args[services[-1].args.index("--grpc-port") + 1]
+        engine_metrics = "".join(
+            f"  metrics     {svc.metrics_url}  ({svc.name}: engine)\n"
+            for svc in services
+            if svc.metrics_url
+        )
         print(
             f"adaserve is up.\n"
             f"  OpenAI API  {base}/v1\n"
             f"  gRPC API    {shown}:{grpc_port}\n"
-            f"  metrics     {base}/metrics\n"
+            f"  metrics     {base}/metrics  (gateway)\n"
+            f"{engine_metrics}"
             f"Press Ctrl-C to stop.",
             flush=True,
         )
