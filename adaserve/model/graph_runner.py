@@ -33,7 +33,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: padded buffers run eagerly (CPU check)
     ids: torch.Tensor  # int64 [bucket * w]
     pos: torch.Tensor  # int64 [bucket * w]
     meta: TritonMetadata  # fixed-shape buffers
@@ -49,8 +49,10 @@ class GraphedDraftModel:
         widths: Sequence[int],
         n_buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_depth: int = 8,
+        use_graphs: bool | None = None,
     ) -> None:
-        if runner.device.type != "cuda":
+        self.use_graphs = runner.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA runner")
         if not isinstance(runner.backend, TritonBackend):
             raise ValueError("CUDA-graph draft steps need attention_backend='triton'")
@@ -102,12 +104,17 @@ class GraphedDraftModel:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (bucket, w), largest first, into one memory pool."""
+        """Capture every (bucket, w), largest first, into one memory pool. Without
+        graphs (CPU) only the padded buffers are built: calls then run the very same
+        padded step eagerly, which is how the padding is checked on CPU."""
         runner = self.runner
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         for width in sorted(self.widths, reverse=True):
             for bucket in sorted(self.n_buckets, reverse=True):
                 ids, pos, meta = self._static(bucket, width)
+                if not self.use_graphs:
+                    self._graphs[(bucket, width)] = _Graph(None, ids, pos, meta, ids)
+                    continue
                 args = (ids, pos, runner.backend, runner.cache.storage, meta, None)
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -163,8 +170,11 @@ class GraphedDraftModel:
         s.slots[:n, : meta.slots.shape[1]].copy_(meta.slots)
         s.slots[n:, 0].fill_(self.pad_slot)
         s.mask[:n, :, : meta.mask.shape[2]].copy_(meta.mask)
-        g.graph.replay()
         self.replays += 1
+        if g.graph is None:
+            out = self.model(g.ids, g.pos, backend, kv, s, None)
+            return out[:t]
+        g.graph.replay()
         return g.out[:t].clone()  # the next replay overwrites the static output
 
 
@@ -173,10 +183,11 @@ def install_draft_graphs(
     widths: Sequence[int],
     n_buckets: Sequence[int] = DEFAULT_BUCKETS,
     max_depth: int = 8,
+    use_graphs: bool | None = None,
 ) -> GraphedDraftModel:
     """Wrap `runner.model` and capture the graphs; returns the wrapper (its `replays`
     and `eager_calls` counters say how often each path ran)."""
-    graphed = GraphedDraftModel(runner, widths, n_buckets, max_depth)
+    graphed = GraphedDraftModel(runner, widths, n_buckets, max_depth, use_graphs)
     graphed.capture()
     runner.model = graphed
     return graphed
