@@ -136,31 +136,10 @@ class ReferenceBackend:
         return out
 
 
-class FlashInferBackend:
-    """Placeholder for the GPU backend: FlashInfer batch prefill over the paged KV with
-    a custom (tree) mask (FA2 is FlashInfer's only path with custom masks). The
-    interface is fixed by `AttentionBackend`; the kernels are not wired yet."""
-
-    name = "flashinfer"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            import flashinfer  # noqa: F401  (optional extra, imported lazily)
-        except ImportError as exc:
-            raise ImportError(
-                "attention backend 'flashinfer' needs the optional extra: "
-                "pip install 'adaserve[gpu]' (on a CUDA machine)"
-            ) from exc
-        raise NotImplementedError(
-            "the FlashInfer attention backend is not implemented yet; "
-            "use attention_backend='reference'"
-        )
-
-
 def make_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> AttentionBackend:
-    """`auto` is the reference backend until the FlashInfer one exists."""
+    """`auto` is the reference backend; GPU backends are chosen by name."""
     if name in ("auto", "reference"):
         return ReferenceBackend(num_heads, num_kv_heads, head_dim, device)
     # GPU backends live in their own modules (issue 8), imported only when asked for.
