@@ -1,0 +1,139 @@
+"""End-to-end tokens/s of the speculative server against the same stack with
+speculation off (issue 6), at several concurrency levels, greedy, same prompts.
+
+Starts `adaserve up --all-in-one` twice on loopback (embedded drafter, then
+`--drafter none`), sends `concurrency` chat requests at once through the
+OpenAI-compatible API, `repeats` times, and reports median tokens/s and the ratio.
+Outputs must be token-identical between the two servers (the lossless invariant);
+the script says so when they are not.
+
+    .venv/bin/python benchmarks/bench_spec_server.py [--concurrency 1 8] [--max-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain what a hash table is in three sentences.",
+    "Give me a short recipe for pancakes.",
+    "What causes the seasons on Earth?",
+    "Write a haiku about autumn leaves.",
+    "List five tips for writing clean code.",
+    "How does a bicycle stay upright?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(drafter: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "adaserve.cli", "up", "--all-in-one", "--target", "embedded",
+           "--drafter", drafter, "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not become ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def one_round(port: int, concurrency: int, max_tokens: int) -> tuple[float, int, list[str]]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        async def ask(i: int) -> tuple[int, str]:
+            r = await client.post("/v1/chat/completions", json={
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "tpot_slo_ms": 1000.0,
+            })
+            r.raise_for_status()
+            body = r.json()
+            return body["usage"]["completion_tokens"], body["choices"][0]["message"]["content"]
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(ask(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return elapsed, sum(n for n, _ in results), [t for _, t in results]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--drafter", default="embedded")
+    p.add_argument("--out", default="out/bench_spec_server")
+    args = p.parse_args()
+
+    results: dict = {"load_before": os.getloadavg(), "rows": []}
+    texts: dict[tuple[str, int], list[str]] = {}
+    for mode, drafter in (("speculative", args.drafter), ("plain", "none")):
+        port = free_port()
+        proc = start_server(drafter, port, [])
+        try:
+            asyncio.run(one_round(port, 1, 8))  # warm-up
+            for c in args.concurrency:
+                rates = []
+                for _ in range(args.repeats):
+                    elapsed, tokens, out = asyncio.run(one_round(port, c, args.max_tokens))
+                    rates.append(tokens / elapsed)
+                    texts[(mode, c)] = out
+                results["rows"].append({"mode": mode, "concurrency": c,
+                                        "tokens_per_s_median": statistics.median(rates),
+                                        "tokens_per_s": rates})
+                print(f"{mode:12s} concurrency {c:3d}: {statistics.median(rates):7.1f} tok/s "
+                      f"(runs {', '.join(f'{r:.1f}' for r in rates)})", flush=True)
+        finally:
+            stop_server(proc)
+    print("\nconcurrency  speculative  plain   ratio  identical output")
+    for c in args.concurrency:
+        spec = next(r for r in results["rows"] if r["mode"] == "speculative" and r["concurrency"] == c)
+        plain = next(r for r in results["rows"] if r["mode"] == "plain" and r["concurrency"] == c)
+        ratio = spec["tokens_per_s_median"] / plain["tokens_per_s_median"]
+        same = texts[("speculative", c)] == texts[("plain", c)]
+        results.setdefault("summary", []).append({"concurrency": c, "ratio": ratio, "identical": same})
+        print(f"{c:11d}  {spec['tokens_per_s_median']:11.1f}  {plain['tokens_per_s_median']:6.1f}"
+              f"  {ratio:5.2f}  {same}")
+    results["load_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"\nload average before {results['load_before']}, after {results['load_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
