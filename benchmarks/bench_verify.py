@@ -58,6 +58,25 @@ def knee(sizes: list[int], ms: list[float]) -> int:
     return int(sizes[int(np.argmax(xn - yn))])
 
 
+def choose_budget(sizes: list[int], ms: list[float]) -> tuple[int, str]:
+    """The default token budget B and the rule that gave it.
+
+    A GPU's curve is flat, then linear (memory-bound, then compute-bound): B is its
+    knee. A CPU's curve is concave instead: the first extra token costs the most (one
+    token runs as a GEMV, two already as a GEMM) and later ones less as the GEMM reuses
+    weights better, so there is no knee; there B is the largest tree whose forward
+    costs at most two single-token steps, i.e. verification pays off as soon as one
+    drafted token per step is accepted."""
+    mid = len(sizes) // 2
+    first = (ms[mid] - ms[0]) / (sizes[mid] - sizes[0])
+    second = (ms[-1] - ms[mid]) / (sizes[-1] - sizes[mid])
+    if second > 1.5 * first:
+        return knee(sizes, ms), "knee (Kneedle)"
+    base = ms[sizes.index(1)] if 1 in sizes else ms[0]
+    fits = [n for n, m in zip(sizes, ms, strict=True) if m <= 2 * base]
+    return max(fits), "largest tree costing <= 2 single-token steps (no knee: concave curve)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
@@ -98,7 +117,7 @@ def main() -> None:
         for n in args.sizes:
             samples[n].append(time_forward(runner, "bench", *trees[n], sync, clock) * 1e3)
     med = [statistics.median(samples[n]) for n in args.sizes]
-    k = knee(args.sizes, med)
+    k, rule = choose_budget(args.sizes, med)
 
     print(
         f"verifier forward, prefix {args.prefix}, {dev} {runner.dtype}, "
@@ -107,7 +126,7 @@ def main() -> None:
     print(f"{'tokens':>6} {'median ms':>10} {'min ms':>8} {'ms/token':>9} {'tok/s':>8}")
     for n, m in zip(args.sizes, med, strict=True):
         print(f"{n:>6} {m:>10.1f} {min(samples[n]):>8.1f} {m / n:>9.2f} {n / m * 1e3:>8.0f}")
-    print(f"knee (Kneedle): {k} tokens -> default budget B = {k}")
+    print(f"default budget B = {k} tokens: {rule}")
 
     tag = f"{dev.type}-{str(runner.dtype).removeprefix('torch.')}"
     out = args.out or Path(f"benchmarks/results/verify_{tag}.json")
@@ -121,7 +140,8 @@ def main() -> None:
         "prefix": args.prefix,
         "reps": args.reps,
         "load_avg": os.getloadavg()[0],
-        "knee_tokens": k,
+        "budget_tokens": k,
+        "budget_rule": rule,
         "rows": [
             {"tokens": n, "median_ms": m, "samples_ms": samples[n]}
             for n, m in zip(args.sizes, med, strict=True)
@@ -140,7 +160,7 @@ def _plot(sizes: list[int], med: list[float], k: int, path: Path, title: str) ->
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, med, "o-", label="median forward latency")
-    ax.axvline(k, color="gray", ls="--", label=f"knee: {k} tokens")
+    ax.axvline(k, color="gray", ls="--", label=f"budget B = {k} tokens")
     ax.set_xlabel("tree tokens verified in one forward")
     ax.set_ylabel("latency (ms)")
     ax.set_title(title)
