@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -83,8 +83,15 @@ def create_app(
         429: {"model": ErrorBody, "description": "engine full; see Retry-After"},
         503: {"model": ErrorBody, "description": "no healthy serving unit"},
     }
+    # The published schema must hold for streams too (the OpenAPI fuzz test checks it).
+    generated: dict[int | str, dict[str, Any]] = {
+        200: {
+            "description": "the completion; with stream=true, server-sent events",
+            "content": {"application/json": {}, "text/event-stream": {}},
+        }
+    }
 
-    @app.post("/v1/completions", responses=errors)
+    @app.post("/v1/completions", responses=errors | generated)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
         spec = _build(
@@ -94,7 +101,7 @@ def create_app(
         )
         return await _serve(request, gw, spec, body.stream, body.include_usage)
 
-    @app.post("/v1/chat/completions", responses=errors)
+    @app.post("/v1/chat/completions", responses=errors | generated)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
         spec = _build(
@@ -142,7 +149,7 @@ def create_app(
         err = APIError(503, "no healthy serving unit", code="no_healthy_unit")
         return JSONResponse({**err.body(), "units": units}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
         gw.metrics.healthy_units.set(len(gw.router.healthy()))

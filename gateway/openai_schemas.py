@@ -24,7 +24,9 @@ TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: `"timeout": true` or `"max_tokens": "16"` are not numbers; coercing them
+    # would accept what the published schema says is invalid (found by the fuzz test).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
