@@ -114,10 +114,39 @@ class GatewaySettings(BaseModel):
     max_prompt_chars: PositiveInt = 200_000
     max_stop_strings: PositiveInt = 8
     max_n: PositiveInt = 1
+    # Requests larger than these are refused (413 / 431) before they are parsed; the
+    # body limit also caps the gRPC front's message size.
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_header_bytes: PositiveInt = 64 * 1024
     api_keys_file: str | None = None
     api_keys_env: str = "ADASERVE_API_KEYS"
     metrics_require_auth: bool = False
     health_interval_s: PositiveFloat = 2.0
+
+
+class TLSSettings(BaseModel):
+    """Mutual TLS between adaserve services, off unless the three files are set. Each
+    service presents `cert_file`/`key_file` and trusts peers whose certificate chains to
+    `ca_file`, as a server and as a client; the gateway's public fronts stay as they are.
+    Environment: ADASERVE_TLS__CA_FILE, ADASERVE_TLS__CERT_FILE, ADASERVE_TLS__KEY_FILE."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    # Name to expect in the peer's server certificate when it differs from the host
+    # dialled (e.g. addresses by IP, certificates by Service name).
+    server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> TLSSettings:
+        files = (self.ca_file, self.cert_file, self.key_file)
+        if any(files) and not all(files):
+            raise ValueError("tls: set all of ca_file, cert_file and key_file, or none")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca_file)
 
 
 class Settings(BaseSettings):
@@ -131,6 +160,7 @@ class Settings(BaseSettings):
     slo: SLOSettings = Field(default_factory=SLOSettings)
     services: ServiceAddresses = Field(default_factory=ServiceAddresses)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    tls: TLSSettings = Field(default_factory=TLSSettings)
     log_prompts: bool = False
 
 

@@ -36,11 +36,13 @@ def run(args: argparse.Namespace) -> int:
 
     from gateway import logs
     from gateway.app import create_app
+    from services.common import tls
     from services.common.server import new_event_loop
 
     logs.configure(args.log_level)
     try:
         settings = load_settings(args.config)
+        tls.configure(settings.tls)  # to the units; the public fronts stay as they are
         verifiers = list(args.verifier) or list(settings.services.verifiers)
         dns = args.verifier_dns or settings.services.verifier_dns
         app = create_app(
@@ -59,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_config=None,  # keep our JSON handlers
         timeout_graceful_shutdown=5,
+        # h11 explicitly: httptools (if installed) would ignore the header-size cap.
+        http="h11",
         # A header this large is an attack or a bug; requests need a few hundred bytes.
-        h11_max_incomplete_event_size=64 * 1024,
+        h11_max_incomplete_event_size=settings.gateway.max_header_bytes,
     )
     server = uvicorn.Server(config)
     loop = new_event_loop()

@@ -27,6 +27,7 @@ from gateway import spec as specs
 from gateway.auth import ApiKeys
 from gateway.core import Gateway, Generation
 from gateway.errors import APIError
+from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from gateway.responses import DONE_FRAME, Formatter, sse
@@ -75,11 +76,18 @@ def create_app(
         dependencies=[Depends(authorize)],
     )
     _install_error_handlers(app)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.gateway.max_body_bytes,
+        max_header_bytes=settings.gateway.max_header_bytes,
+    )
     _openapi_without_422(app)
 
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorBody, "description": "invalid request"},
         401: {"model": ErrorBody, "description": "missing or wrong API key"},
+        413: {"model": ErrorBody, "description": "request body too large"},
+        431: {"model": ErrorBody, "description": "request headers too large"},
         429: {"model": ErrorBody, "description": "engine full; see Retry-After"},
         503: {"model": ErrorBody, "description": "no healthy serving unit"},
     }

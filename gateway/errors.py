@@ -19,6 +19,7 @@ _TYPES = {
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable_error",
     504: "timeout_error",

@@ -173,6 +173,8 @@ class GatewayGrpcServer:
             ],
             host,
             port,
+            max_receive_bytes=gateway.settings.gateway.max_body_bytes,
+            public=True,
         )
 
     async def start(self) -> int:

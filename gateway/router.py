@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from gateway.errors import APIError, bad_request
-from services.common.options import aio_insecure_channel
+from services.common.options import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Unit:
 
     @classmethod
     def connect(cls, address: str, *, from_dns: bool = False) -> Unit:
-        channel = aio_insecure_channel(address)
+        channel = aio_channel(address)
         return cls(
             address,
             channel,

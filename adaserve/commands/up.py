@@ -223,7 +223,9 @@ def _grpc_serving(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    from services.common.options import channel
+
+    with channel(address) as ch:  # mutual TLS when the services use it
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=1.0
@@ -257,6 +259,14 @@ def _validate(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     if (err := _validate(args)) is not None:
         print(f"adaserve up: {err}", file=sys.stderr)
+        return 2
+    from adaserve.config import load_settings
+    from services.common import tls
+
+    try:  # the services read the same file and environment
+        tls.configure(load_settings(args.config).tls)
+    except (OSError, ValueError) as exc:
+        print(f"adaserve up: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="adaserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

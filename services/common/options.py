@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+from services.common import tls
+
 # A SpeculateResponse for 256 requests of 1 + 8*16 nodes is ~400 KB and a verifier
 # prompt a few MB; 64 MiB leaves room without letting one call eat the host.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -47,10 +49,29 @@ CLIENT_OPTIONS: list[tuple[str, int]] = [
 
 
 def insecure_channel(address: str) -> grpc.Channel:
-    """A blocking channel to `host:port` (the engine is synchronous)."""
+    """A blocking plaintext channel to `host:port` (the engine is synchronous)."""
     return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
 
 
 def aio_insecure_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to `host:port`, same options."""
+    """An asyncio plaintext channel to `host:port`, same options."""
     return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+
+
+def channel(address: str) -> grpc.Channel:
+    """A blocking channel to another adaserve service: mutual TLS when this process
+    configured it (services/common/tls.py), plaintext otherwise."""
+    settings = tls.current()
+    if settings is None:
+        return insecure_channel(address)
+    options = CLIENT_OPTIONS + tls.channel_options(settings)
+    return grpc.secure_channel(address, tls.channel_credentials(settings), options=options)
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """`channel` for asyncio callers."""
+    settings = tls.current()
+    if settings is None:
+        return aio_insecure_channel(address)
+    options = CLIENT_OPTIONS + tls.channel_options(settings)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(settings), options=options)

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tls
 from services.common.errors import DomainErrorInterceptor, ErrorCodes
 from services.common.options import SERVER_OPTIONS
 
@@ -39,16 +40,25 @@ class GrpcServer:
         *,
         grace_s: float = 5.0,
         error_codes: ErrorCodes | None = None,
+        max_receive_bytes: int | None = None,
+        public: bool = False,
     ) -> None:
         """`error_codes` maps domain exceptions to status codes beyond the default
-        ValueError -> INVALID_ARGUMENT (see services/common/errors.py)."""
+        ValueError -> INVALID_ARGUMENT (see services/common/errors.py);
+        `max_receive_bytes` lowers the shared message-size cap and `public` keeps the
+        internal mutual TLS off (both for the gateway's client-facing front)."""
         self.services = list(services)
+        self.tls = None if public else tls.current()
         self.address = f"{host}:{port}"
         self.grace_s = grace_s
         self.port = port
         self._health = health.aio.HealthServicer()
+        options = list(SERVER_OPTIONS)
+        if max_receive_bytes is not None:
+            key = "grpc.max_receive_message_length"
+            options = [o for o in options if o[0] != key] + [(key, max_receive_bytes)]
         self._server = grpc.aio.server(
-            interceptors=[DomainErrorInterceptor(error_codes)], options=SERVER_OPTIONS
+            interceptors=[DomainErrorInterceptor(error_codes)], options=options
         )
 
     async def start(self) -> int:
@@ -66,12 +76,21 @@ class GrpcServer:
             self._server,
         )
         try:
-            self.port = self._server.add_insecure_port(self.address)
+            if self.tls is None:
+                self.port = self._server.add_insecure_port(self.address)
+            else:
+                creds = tls.server_credentials(self.tls)
+                self.port = self._server.add_secure_port(self.address, creds)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {self.address}: {exc}") from exc
         await self._server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on port %d", ", ".join(names), self.port)
+        log.info(
+            "serving %s on port %d (%s)",
+            ", ".join(names),
+            self.port,
+            "mutual TLS" if self.tls is not None else "plaintext",
+        )
         return self.port
 
     async def stop(self, grace_s: float | None = None) -> None:

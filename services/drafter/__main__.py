@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.config import load_settings
     from adaserve.model.loader import load_runner
     from adaserve.speculate import BeamDrafter
+    from services.common import tls
     from services.common.server import run_until_signal
     from services.drafter.server import build_server
 
@@ -33,6 +34,11 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = load_settings(args.config)
+    try:
+        tls.configure(settings.tls)
+    except (OSError, ValueError) as exc:
+        print(f"adaserve drafter: {exc}", file=sys.stderr)
+        return 2
     ms = settings.model
     model = args.model or ms.drafter
     if not model:

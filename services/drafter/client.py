@@ -17,14 +17,14 @@ from adaserve.speculate import DrafterStateLost, DrafterStats, DraftUpdate
 from adaserve.tree import CandidateTree
 from services.common.client import call
 from services.common.convert import speculate_request_to_pb, trees_from_pb
-from services.common.options import insecure_channel
+from services.common.options import channel
 
 
 class GrpcDrafter:
     def __init__(self, address: str, *, timeout_s: float = 0.5) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = insecure_channel(address)
+        self._channel = channel(address)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         # Server-side timing of the latest Speculate, for the engine's overhead metrics.
         self.last_timing: common_pb2.ServerTiming | None = None

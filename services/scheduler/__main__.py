@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `adaserve scheduler --help` stays instant.
+    from services.common import tls
     from services.common.server import run_until_signal
     from services.scheduler.server import build_server
 
@@ -25,6 +26,11 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = load_settings(args.config)
+    try:
+        tls.configure(settings.tls)
+    except (OSError, ValueError) as exc:
+        print(f"adaserve scheduler: {exc}", file=sys.stderr)
+        return 2
     return run_until_signal(lambda: build_server(settings.scheduler, args.host, args.port))
 
 

@@ -18,7 +18,7 @@ from adaserve.selection import RequestProgress, Selection, SelectionError, Selec
 from adaserve.tree import CandidateTree, TreeBatch
 from services.common.client import call
 from services.common.convert import select_request_to_pb, selection_from_pb
-from services.common.options import insecure_channel
+from services.common.options import channel
 
 
 class GrpcScheduler:
@@ -35,7 +35,7 @@ class GrpcScheduler:
         self.address = address
         self.budget = settings.budget if settings is not None else None
         self.timeout_s = timeout_s
-        self._channel = insecure_channel(address)
+        self._channel = channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         # Server-side timing of the latest Select, for the engine's overhead metrics.
         self.last_timing: common_pb2.ServerTiming | None = None

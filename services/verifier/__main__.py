@@ -65,12 +65,14 @@ def run(args: argparse.Namespace) -> int:
         resolve_model,
     )
     from gateway import logs
+    from services.common import tls
     from services.common.server import run_until_signal
     from services.verifier.server import build_server
 
     logs.configure(args.log_level)
     try:
         settings = settings_from_args(args)
+        tls.configure(settings.tls)  # before the engine dials the drafter and scheduler
         engine = build_engine(settings)
     except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
         # A bad path or config is the user's to fix: say what, without a traceback.
