@@ -21,9 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from adaserve.cli import main
 
-# ms per token the test server streams at, per class; chat misses the 30 ms SLO by far
-# (margins wide enough for a loaded CI machine).
-PACE_MS = {"coding": 2.0, "chat": 70.0}
+# The test server tells the classes apart by prompt length: ms per token it streams at
+# (chat misses the 30 ms SLO by far, margins wide enough for a loaded CI machine), or
+# 429 for the "reject" class.
+PROMPT_LEN = {"coding": 12, "chat": 13, "reject": 7}
+PACE_MS = {12: 2.0, 13: 70.0}
 
 
 def _app(seen: list[dict]) -> FastAPI:
@@ -33,10 +35,10 @@ def _app(seen: list[dict]) -> FastAPI:
     async def completions(request: Request):
         body = await request.json()
         seen.append(body)
-        if body.get("slo_class") == "reject":
+        if len(body["prompt"]) == PROMPT_LEN["reject"]:
             return JSONResponse({"error": {"message": "busy"}}, status_code=429)
         n = body["max_tokens"]
-        pace = PACE_MS[body["slo_class"]] / 1000.0
+        pace = PACE_MS[len(body["prompt"])] / 1000.0
 
         async def events():
             for i in range(n):
@@ -84,7 +86,7 @@ def _workload(tmp_path: Path, classes: dict) -> Path:
             name: {
                 "weight": w,
                 "slo": {"tpot_ms": 30.0},
-                "prompt_tokens": {"dist": "constant", "mean": 12},
+                "prompt_tokens": {"dist": "constant", "mean": PROMPT_LEN[name]},
                 "output_tokens": {"dist": "constant", "mean": 8},
             }
             for name, w in classes.items()
@@ -109,7 +111,7 @@ def test_bench_measures_tpot_and_attainment(server, tmp_path):
     assert s["requests"] == len(seen) > 3 and s["errors"] == 0
     body = seen[0]
     assert body["stream"] and body["ignore_eos"] and body["tpot_slo_ms"] == 30.0
-    assert len(body["prompt"]) == 12 and body["max_tokens"] == 8
+    assert len(body["prompt"]) in (12, 13) and body["max_tokens"] == 8
     records = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert all(r["num_tokens"] == 8 and r["finish_reason"] == "length" for r in records)
     assert (out / "latency.png").stat().st_size > 1000

@@ -5,7 +5,7 @@ and timed per chunk; the records feed the same summary as a simulated run.
 Requests use `/v1/completions` with a prompt of token ids (the workload's prompt
 length exactly, whatever the tokenizer), `max_tokens` = the sampled output length with
 `ignore_eos` (the output length is the workload's, not the model's), greedy decoding,
-and the request's SLO as `tpot_slo_ms` plus its class as `slo_class`.
+and the request's SLO as `tpot_slo_ms`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def request_body(req: SimRequest, target: BenchTarget) -> dict:
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # The SLO travels as a number: a server's named classes need not match the
+        # workload's (and an unknown `slo_class` is a 400).
         "tpot_slo_ms": req.tpot_slo_ms,
-        "slo_class": req.slo_class,
         "request_id": req.id,
     }
     if target.model:
