@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from adaserve.sim.sweep import read_csv  # noqa: E402
+from adaserve.sim.sweep import read_csv
 
 ABLATIONS = ("adaserve", "equal", "global")
 
@@ -55,8 +55,7 @@ def table(path: Path, metric: str) -> str:
     rows = read_csv(path)
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     xs = sorted({r["x"] for r in rows})
-    out = [f"| {metric} | " + " | ".join(policies) + " |",
-           "|---|" + "---|" * len(policies)]
+    out = [f"| {metric} | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
     for x in xs:
         cells = []
         for p in policies:
