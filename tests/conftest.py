@@ -97,6 +97,11 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
 def embedded_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (converted once into the cache on
     first use, ~1 min; later sessions reuse it)."""

@@ -41,7 +41,14 @@ def _path(parents: list[int], node: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "fixture", ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_llama3_dir", "tiny_qwen2_dir"]
+    "fixture",
+    [
+        "tiny_llama_dir",
+        "tiny_llama_untied_dir",
+        "tiny_llama3_dir",
+        "tiny_qwen2_dir",
+        "tiny_mistral_dir",
+    ],
 )
 def test_chain_logits_match_hf(fixture: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(fixture)
