@@ -111,6 +111,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": str(path),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype),
         "prompt_len": args.prompt_len,
         "new_tokens": n,
         "repeats": args.repeats,
