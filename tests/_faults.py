@@ -102,9 +102,14 @@ def greedy_reference_ignore_eos(model_dir: Path, prompt: list[int], n: int) -> l
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only contend with the servers
     try:
-        with torch.no_grad():
+        ids = torch.tensor([prompt])
+        with torch.no_grad():  # an explicit mask: otherwise pad-id tokens would be masked
             out = _generator(str(model_dir)).generate(
-                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
             )
     finally:
         torch.set_num_threads(threads)
