@@ -114,6 +114,8 @@ class Sequences:
         parts = [p for p in parts if len(p)]
         if not parts:
             return cls.empty()
+        if len({p.topk_ids.shape[1] for p in parts}) > 1:
+            raise ValueError(f"generated data with different top-k widths: {[p.topk_ids.shape[1] for p in parts]}")
         shifts = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
         return cls(
             tokens=np.concatenate([p.tokens for p in parts]),

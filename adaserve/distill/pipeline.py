@@ -3,7 +3,9 @@ rerun with --resume continues where the last one stopped:
 
   prompts.json            chat-templated prompt ids (needs the tokenizer)
   gen_*.safetensors       target continuations: held-out greedy, writer texts,
-                          train greedy, then sampled passes while the budget lasts
+                          train greedy, then sampled passes while the budget lasts;
+                          any gen_extra*.safetensors (generated elsewhere, e.g. by
+                          another run's work dir) joins the training data
   draft_vocab.safetensors d2t: the most frequent continuation tokens
   ckpt.pt                 students + optimizer state, saved periodically
 then each student is exported as a drafter directory and measured on the held-out set.
@@ -25,7 +27,12 @@ from adaserve.distill.export import export_drafter
 from adaserve.distill.generate import generate_all
 from adaserve.distill.llama import LlamaModel
 from adaserve.distill.train import TrainConfig, Trainer, jsonl_logger
-from adaserve.distill.vocab import continuation_counts, coverage, select_draft_vocab
+from adaserve.distill.vocab import (
+    continuation_counts,
+    coverage,
+    expected_counts,
+    select_draft_vocab,
+)
 from adaserve.distill.weights import init_student, load_teacher, trainable_state
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -112,6 +119,7 @@ def stage_generate(job: DistillJob, teacher: LlamaModel, prompts: dict) -> tuple
     for k in range(g.sample_passes):
         parts.append(_phase(job, f"sample{k}", teacher, train_prompts, eos, g.max_new_tokens, deadline,
                             g.temperature, seed=1000 + k))
+    parts += [Sequences.load(p) for p in sorted(job.work.glob("gen_extra*.safetensors"))]
     return Sequences.concat(parts), heldout
 
 
@@ -121,7 +129,7 @@ def stage_vocab(job: DistillJob, train: Sequences, vocab: int, eos: list[int]) -
     if path.is_file():
         d2t = load_file(str(path))["d2t"]
     else:
-        d2t = torch.from_numpy(select_draft_vocab(counts, job.draft_vocab, eos))
+        d2t = torch.from_numpy(select_draft_vocab(expected_counts(train, vocab), job.draft_vocab, eos))
         save_file({"d2t": d2t}, str(path))
     if len(d2t) != job.draft_vocab:
         raise ValueError(f"{path} has {len(d2t)} tokens, --draft-vocab is {job.draft_vocab}: use a new work dir")
