@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaserve import metrics
+from adaserve.checks import check_selection, check_trees
 from adaserve.config import Settings
 from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.request import GenerationRequest, TokenDelta
@@ -349,6 +350,7 @@ class Engine:
                     for u, r in zip(updates, batch, strict=True)
                 ]
                 trees = self.drafter.speculate(updates, depth, width)
+            check_trees(trees, [r.tokens[-1] for r in batch], self.target.vocab_size)
         except Exception as exc:
             self._drafter_failed(exc)
             return roots
@@ -388,7 +390,9 @@ class Engine:
         if self._scheduler_healthy:
             try:
                 selection = self.scheduler.select(progress, trees, params)
+                check_selection(selection.selected, trees)
             except Exception as exc:
+                selection = None
                 self._scheduler_failed(exc)
         if selection is None:
             selection = self.local_scheduler.select(progress, trees, params)

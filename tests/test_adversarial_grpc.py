@@ -6,6 +6,10 @@ garbage sent to either lands on the very servers the good requests use. Each bad
 must be answered INVALID_ARGUMENT or NOT_FOUND (a few are well-defined no-ops, noted
 where listed), every server must stay healthy, and the good requests running meanwhile
 must all finish with the target's own greedy output: no poisoned batch.
+
+The other direction too: the drafter and scheduler servers can be switched to corrupt
+their answers (as a compromised or version-skewed pod would); the engine must notice,
+fall back, and still produce exactly the target's output.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from adaserve.speculate import BeamDrafter
 from services.common.convert import F32, F64, I32, I64, packed
 from services.common.options import insecure_channel
-from services.common.server import BackgroundServer
-from services.drafter.server import build_server as drafter_server
-from services.scheduler.server import build_server as scheduler_server
+from services.common.server import BackgroundServer, GrpcServer, Service
+from services.drafter.server import SERVICE_NAME as DRAFTER_SERVICE
+from services.drafter.server import DrafterServicer
+from services.scheduler.server import SERVICE_NAME as SCHEDULER_SERVICE
+from services.scheduler.server import SchedulerServicer
 from services.verifier.server import build_server as verifier_server
 from tests._faults import greedy_reference_ignore_eos, greedy_request
 from tests._serving import VOCAB, make_served_model
@@ -49,6 +55,110 @@ GOOD_PROMPTS = [[10, 11, 12, 13], [40, 41], [70, 3, 70, 3, 70], [5]]
 GOOD_TOKENS = 40
 
 
+class HostileDrafter(DrafterServicer):
+    """The real drafter servicer, whose answers `mode` corrupts on demand."""
+
+    mode: str | None = None
+
+    async def Speculate(
+        self, request: drafter_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.SpeculateResponse:
+        reply = await super().Speculate(request, context)
+        if self.mode is not None and reply.trees.sizes:
+            reply.trees.CopyFrom(corrupt_trees(reply.trees, self.mode))
+        return reply
+
+
+def corrupt_trees(msg: common_pb2.CandidateTreeBatch, mode: str) -> common_pb2.CandidateTreeBatch:
+    sizes = np.frombuffer(msg.sizes, I32).copy()
+    tokens = np.frombuffer(msg.tokens, I32).copy()
+    parents = np.frombuffer(msg.parents, I32).copy()
+    roots = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    inner = np.setdiff1d(np.arange(tokens.shape[0]), roots)  # non-root nodes
+    if mode == "wrong root":
+        tokens[roots] = (tokens[roots] + 1) % VOCAB
+    elif mode == "token past the vocabulary" and inner.size:
+        tokens[inner[0]] = VOCAB + 7
+    elif mode == "parent out of range" and inner.size:
+        parents[inner[-1]] = 10_000
+    elif mode == "a tree short":
+        sizes, n = sizes[:-1], int(sizes[:-1].sum())
+        tokens, parents = tokens[:n], parents[:n]
+        return common_pb2.CandidateTreeBatch(
+            sizes=packed(sizes, I32),
+            tokens=packed(tokens, I32),
+            parents=packed(parents, I32),
+            logprobs=msg.logprobs[: 4 * n],
+        )
+    return common_pb2.CandidateTreeBatch(
+        sizes=msg.sizes,
+        tokens=packed(tokens, I32),
+        parents=packed(parents, I32),
+        logprobs=msg.logprobs,
+    )
+
+
+class HostileScheduler(SchedulerServicer):
+    """The real scheduler servicer, whose selections `mode` corrupts on demand."""
+
+    mode: str | None = None
+
+    async def Select(
+        self, request: scheduler_pb2.SelectRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SelectResponse:
+        reply = await super().Select(request, context)
+        if self.mode is not None:
+            tree_sizes = np.frombuffer(request.trees.sizes, I32)
+            reply.selection.CopyFrom(corrupt_selection(reply.selection, tree_sizes, self.mode))
+        return reply
+
+
+def corrupt_selection(
+    msg: common_pb2.Selection, tree_sizes: np.ndarray, mode: str
+) -> common_pb2.Selection:
+    sizes = np.frombuffer(msg.sizes, I32)
+    flat = np.frombuffer(msg.selected, I32)
+    parts = np.split(flat, np.cumsum(sizes)[:-1])
+    if mode == "root missing":
+        parts = [p[1:] if p.shape[0] > 1 else p + 1 for p in parts]
+    elif mode == "node past the tree":
+        parts = [np.append(p, 10_000) for p in parts]
+    elif mode == "not closed under parent":  # the root and a deepest node, alone
+        parts = [np.array([0, s - 1]) if s > 2 else np.array([0]) for s in tree_sizes]
+    elif mode == "descending":
+        parts = [p[::-1] for p in parts]
+    elif mode == "a selection short":
+        parts = parts[:-1]
+    out = common_pb2.Selection()
+    out.CopyFrom(msg)
+    out.sizes = packed([p.shape[0] for p in parts], I32)
+    out.selected = packed(np.concatenate(parts) if parts else np.zeros(0), I32)
+    return out
+
+
+DRAFTER_CORRUPTIONS = [
+    "wrong root",
+    "token past the vocabulary",
+    "parent out of range",
+    "a tree short",
+]
+SCHEDULER_CORRUPTIONS = [
+    "root missing",
+    "node past the tree",
+    "not closed under parent",
+    "descending",
+    "a selection short",
+]
+
+
+def serve(
+    name: str, servicer: object, add: Callable[[object, grpc.aio.Server], None]
+) -> BackgroundServer:
+    return BackgroundServer(
+        lambda: GrpcServer([Service(name, lambda s: add(servicer, s))], "127.0.0.1", 0)
+    )
+
+
 @dataclass
 class Unit:
     verifier: BackgroundServer
@@ -56,6 +166,8 @@ class Unit:
     scheduler: BackgroundServer
     engine: Engine
     refs: list[list[int]]
+    hostile_drafter: HostileDrafter
+    hostile_scheduler: HostileScheduler
     channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def channel(self, name: str) -> grpc.Channel:
@@ -68,14 +180,14 @@ class Unit:
 @pytest.fixture(scope="module")
 def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Unit]:
     target = make_served_model(tmp_path_factory.mktemp("adversarial") / "target")
-    drafter = BackgroundServer(
-        lambda: drafter_server(
-            BeamDrafter(load_runner(target, device="cpu", dtype="float32", kv_blocks=2048)),
-            "127.0.0.1",
-            0,
-        )
+    hostile_drafter = HostileDrafter(
+        BeamDrafter(load_runner(target, device="cpu", dtype="float32", kv_blocks=2048))
     )
-    scheduler = BackgroundServer(lambda: scheduler_server(SchedulerSettings(), "127.0.0.1", 0))
+    hostile_scheduler = HostileScheduler(SchedulerSettings())
+    drafter = serve(
+        DRAFTER_SERVICE, hostile_drafter, drafter_pb2_grpc.add_DrafterServicer_to_server
+    )
+    scheduler = serve(SCHEDULER_SERVICE, hostile_scheduler, sgrpc.add_SchedulerServicer_to_server)
     drafter.start()
     scheduler.start()
     settings = Settings(
@@ -94,7 +206,7 @@ def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Unit]:
     )
     verifier.start()
     refs = [greedy_reference_ignore_eos(target, p, GOOD_TOKENS) for p in GOOD_PROMPTS]
-    u = Unit(verifier, drafter, scheduler, engine, refs)
+    u = Unit(verifier, drafter, scheduler, engine, refs, hostile_drafter, hostile_scheduler)
     try:
         yield u
     finally:
@@ -438,3 +550,46 @@ def test_scheduler_handles_a_huge_batch(unit: Unit) -> None:
     sizes = np.frombuffer(reply.selection.sizes, dtype=I32)
     assert sizes.shape == (200_000,) and (sizes >= 1).all()
     assert_all_healthy(unit)
+
+
+# ---- hostile answers --------------------------------------------------------------------
+
+
+def _under_hostile(
+    unit: Unit, servicer: HostileDrafter | HostileScheduler, mode: str, component: str
+) -> None:
+    settle(unit)  # both services in use again after the previous case's fallbacks
+    before = metrics.fallbacks_total.labels(component)._value.get()
+    servicer.mode = mode
+    try:
+        with GoodTraffic(unit) as good:
+            deadline = time.monotonic() + 30
+            while good.done < 3 and not good.failures and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        servicer.mode = None
+    assert good.failures == [] and good.done >= 3
+    assert metrics.fallbacks_total.labels(component)._value.get() > before  # noticed
+    assert_all_healthy(unit)
+
+
+def settle(unit: Unit, timeout_s: float = 20.0) -> None:
+    stub = vgrpc.VerifierStub(unit.channel("verifier"))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = unit.engine.stats()
+        if stats.drafter_healthy and stats.scheduler_healthy:
+            return
+        list(stub.Generate(greedy_request("settle", GOOD_PROMPTS[0], 8), timeout=30))
+        time.sleep(0.2)
+    raise AssertionError("the engine did not return to its drafter and scheduler")
+
+
+@pytest.mark.parametrize("mode", DRAFTER_CORRUPTIONS)
+def test_corrupt_drafter_answers_never_change_an_output(unit: Unit, mode: str) -> None:
+    _under_hostile(unit, unit.hostile_drafter, mode, "drafter")
+
+
+@pytest.mark.parametrize("mode", SCHEDULER_CORRUPTIONS)
+def test_corrupt_scheduler_answers_never_change_an_output(unit: Unit, mode: str) -> None:
+    _under_hostile(unit, unit.hostile_scheduler, mode, "scheduler")
