@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from concurrent import futures
@@ -346,6 +347,11 @@ def test_healthcheck_inspects_a_running_process(
         ]
     )
     try:
+        # Between fork and exec the child's cmdline is not yet the new program's.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        deadline = time.monotonic() + 10
+        while b"adaserve" not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert healthcheck.main(["--pid", str(proc.pid)]) == 0
     finally:
         proc.kill()
