@@ -14,6 +14,7 @@ Docker expects. Kubernetes ignores HEALTHCHECK and uses the manifests' probes.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import urllib.request
@@ -87,7 +88,7 @@ def _check_grpc(target: Target, timeout_s: float) -> tuple[bool, str]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     address = _netloc(target)
-    with grpc.insecure_channel(address) as channel:
+    with _channel(grpc, address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -95,6 +96,23 @@ def _check_grpc(target: Target, timeout_s: float) -> tuple[bool, str]:
             return False, f"grpc {address} -> {exc.code().name}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return reply.status == health_pb2.HealthCheckResponse.SERVING, f"grpc {address} -> {status}"
+
+
+def _channel(grpc, address: str):  # type: ignore[no-untyped-def]
+    """Plaintext, or the services' mutual TLS when the container's environment sets it
+    (ADASERVE_TLS__CA_FILE, __CERT_FILE, __KEY_FILE, optional __SERVER_NAME; see
+    docs/SECURITY.md): a server that demands client certificates refuses plaintext."""
+    env = os.environ
+    if not env.get("ADASERVE_TLS__CA_FILE"):
+        return grpc.insecure_channel(address)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(env["ADASERVE_TLS__CA_FILE"]).read_bytes(),
+        private_key=Path(env["ADASERVE_TLS__KEY_FILE"]).read_bytes(),
+        certificate_chain=Path(env["ADASERVE_TLS__CERT_FILE"]).read_bytes(),
+    )
+    name = env.get("ADASERVE_TLS__SERVER_NAME")
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(address, creds, options=options)
 
 
 def _netloc(target: Target) -> str:

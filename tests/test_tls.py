@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,3 +155,24 @@ def test_adaserve_up_with_mutual_tls(cas: tuple[Path, Path], tmp_path: Path) -> 
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         proc.stop()
+
+
+def test_container_healthcheck_speaks_mutual_tls(
+    mtls_scheduler: str, cas: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docker/healthcheck.py (the images' HEALTHCHECK, and the exec probe to use under
+    mTLS) reads the same TLS environment as the services."""
+    sys.path.insert(0, str(REPO / "docker"))
+    import healthcheck
+
+    ours, _ = cas
+    port = mtls_scheduler.rsplit(":", 1)[1]
+    argv = ["--cmdline", f"adaserve scheduler --host 127.0.0.1 --port {port}"]
+    assert healthcheck.main(argv) == 1  # plaintext is refused
+    for key, value in {
+        "CA_FILE": ours / "ca.crt",
+        "CERT_FILE": ours / "verifier.crt",
+        "KEY_FILE": ours / "verifier.key",
+    }.items():
+        monkeypatch.setenv(f"ADASERVE_TLS__{key}", str(value))
+    assert healthcheck.main(argv) == 0
