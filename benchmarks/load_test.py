@@ -39,10 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from services.common.server import new_event_loop  # noqa: E402
 from tests._faults import greedy_reference_ignore_eos  # noqa: E402
 from tests._serving import CHARS, make_served_model  # noqa: E402
 
 DEPLOYMENT_CONFIG = """\
+scheduler:
+  budget: {budget}
 engine:
   kv_memory_gb: 0.25
   max_running: {max_running}
@@ -75,6 +78,10 @@ class Report:
     failures: dict[str, int] = field(default_factory=dict)
     failure_examples: list[str] = field(default_factory=list)
     ttft_ms: dict[str, float] = field(default_factory=dict)
+    # The gateway's own view (from its histogram: the whole run, warm-up included),
+    # to tell server time from time spent in the clients and the network.
+    gateway_ttft_ms: dict[str, float] = field(default_factory=dict)
+    gateway_tpot_ms: dict[str, float] = field(default_factory=dict)
     tpot_ms: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
     memory_mb: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -98,7 +105,9 @@ class Deployment:
     def __init__(self, work: Path, target: Path, drafter: Path, args: argparse.Namespace):
         cfg = work / "deploy.yaml"
         cfg.write_text(
-            DEPLOYMENT_CONFIG.format(max_running=args.max_running, max_queue=args.max_queue)
+            DEPLOYMENT_CONFIG.format(
+                budget=args.budget, max_running=args.max_running, max_queue=args.max_queue
+            )
         )
         self.port = _free_port()
         self.log = work / "up.log"
@@ -182,22 +191,19 @@ def rss_mb(pid: int) -> float | None:
 
 
 class MemoryWatch:
-    """Samples every process's RSS once a second: baseline, last and peak."""
+    """Samples every process's RSS once a second. Growth over the second half of the
+    run tells a leak from the first half's climb to the steady state (connection
+    buffers, a full batch, allocator pools)."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
-        self.start: dict[str, float] = {}
-        self.last: dict[str, float] = {}
-        self.peak: dict[str, float] = {}
+        self.samples: dict[str, list[float]] = {name: [] for name in pids}
 
     def sample(self) -> None:
         for name, pid in self.pids.items():
             mb = rss_mb(pid)
-            if mb is None:
-                continue
-            self.start.setdefault(name, mb)
-            self.last[name] = mb
-            self.peak[name] = max(self.peak.get(name, 0.0), mb)
+            if mb is not None:
+                self.samples[name].append(mb)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -206,15 +212,20 @@ class MemoryWatch:
         self.sample()
 
     def summary(self) -> dict[str, dict[str, float]]:
-        return {
-            name: {
-                "start": round(self.start[name], 1),
-                "end": round(self.last[name], 1),
-                "peak": round(self.peak[name], 1),
-                "growth": round(self.last[name] - self.start[name], 1),
+        out = {}
+        for name, xs in self.samples.items():
+            if not xs:
+                continue
+            mid = xs[len(xs) // 2]
+            out[name] = {
+                "start": round(xs[0], 1),
+                "mid": round(mid, 1),
+                "end": round(xs[-1], 1),
+                "peak": round(max(xs), 1),
+                "growth": round(xs[-1] - xs[0], 1),
+                "growth_second_half": round(xs[-1] - mid, 1),
             }
-            for name in self.start
-        }
+        return out
 
 
 # ---- clients ----------------------------------------------------------------------------
@@ -298,23 +309,25 @@ async def drive(
     max_tokens: int,
     pids: dict[str, int],
 ) -> tuple[list[Outcome], MemoryWatch]:
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     timeout = httpx.Timeout(120.0, connect=30.0)
     outcomes: list[Outcome] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+    async with httpx.AsyncClient(timeout=timeout) as http:
         # Warm-up: each prompt once (and checked), before the memory baseline.
         warm = await asyncio.gather(
             *(one_request(http, url, p, r, max_tokens) for p, r in zip(prompts, refs, strict=True))
         )
-        bad = [o.failure for o in warm if o.failure]
-        if bad:
-            raise RuntimeError(f"warm-up failed: {bad[:3]}")
-        watch = MemoryWatch(pids)
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(watch.run(stop))
-        end = time.monotonic() + duration_s
+    bad = [o.failure for o in warm if o.failure]
+    if bad:
+        raise RuntimeError(f"warm-up failed: {bad[:3]}")
+    watch = MemoryWatch(pids)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch.run(stop))
+    end = time.monotonic() + duration_s
 
-        async def client(k: int) -> None:
+    async def client(k: int) -> None:
+        # One connection per client, as separate users have: one pool shared by
+        # hundreds of streams queues requests inside the client library for seconds.
+        async with httpx.AsyncClient(timeout=timeout) as http:
             n = 0
             while time.monotonic() < end:
                 i = (k * 7 + n) % len(prompts)
@@ -324,10 +337,32 @@ async def drive(
                 if out.status == 429:
                     await asyncio.sleep(1.0)  # honour Retry-After, as a client should
 
-        await asyncio.gather(*(client(k) for k in range(clients)))
-        stop.set()
-        await watcher
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    stop.set()
+    await watcher
     return outcomes, watch
+
+
+def histogram_quantiles(text: str, name: str, qs: tuple[float, ...]) -> dict[str, float]:
+    """Quantiles (ms) of a Prometheus histogram, summed over its label sets and
+    interpolated within buckets as PromQL's histogram_quantile does."""
+    buckets: dict[float, float] = {}
+    for le, count in re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text, re.M):
+        buckets[float(le)] = buckets.get(float(le), 0.0) + float(count)
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] == 0:
+        return {}
+    total, out = buckets[bounds[-1]], {}
+    for q in qs:
+        rank, lo, below = q * total, 0.0, 0.0
+        for b in bounds:
+            if buckets[b] >= rank:
+                hi = lo if b == float("inf") else b
+                frac = 0.0 if buckets[b] == below else (rank - below) / (buckets[b] - below)
+                out[f"p{round(q * 100)}"] = round((lo + (hi - lo) * frac) * 1000.0, 1)
+                break
+            lo, below = b, buckets[b]
+    return out
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -389,12 +424,13 @@ def print_report(rep: Report) -> None:
     print(f"statuses {rep.statuses}; 5xx {rep.server_errors}; failures {rep.failures or 0}")
     for example in rep.failure_examples:
         print(f"  e.g. {example}")
-    print(f"TTFT ms {rep.ttft_ms}\nTPOT ms {rep.tpot_ms}")
-    print("memory MB (after warm-up -> end, peak, growth):")
+    print(f"TTFT ms {rep.ttft_ms} (at the gateway: {rep.gateway_ttft_ms})")
+    print(f"TPOT ms {rep.tpot_ms} (at the gateway: {rep.gateway_tpot_ms})")
+    print("memory MB (after warm-up -> half-time -> end; peak; growth, of it second half):")
     for name, m in rep.memory_mb.items():
         print(
-            f"  {name:<12} {m['start']:8.1f} -> {m['end']:8.1f}  peak {m['peak']:8.1f}  "
-            f"growth {m['growth']:+.1f}"
+            f"  {name:<12} {m['start']:7.1f} -> {m['mid']:7.1f} -> {m['end']:7.1f}  "
+            f"peak {m['peak']:7.1f}  growth {m['growth']:+.1f}, {m['growth_second_half']:+.1f}"
         )
     if rep.engine:
         print(f"engine {rep.engine}")
@@ -410,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--units", type=int, default=1, help="verifier units")
     ap.add_argument(
         "--drafter-noise", type=float, default=0.1, help="drafter = target + this much noise"
+    )
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=16,
+        help="verifier tokens per iteration (every running request's root takes one: "
+        "speculation needs more than the batch size)",
     )
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--max-queue", type=int, default=256)
@@ -435,19 +478,30 @@ def main(argv: list[str] | None = None) -> int:
         ]
         deployment.wait_up()
         print(f"deployment up at {deployment.url}: {deployment.pids}; logs in {work}", flush=True)
-        outcomes, watch = asyncio.run(
-            drive(
-                deployment.url,
-                prompts,
-                refs,
-                args.clients,
-                args.duration,
-                args.max_tokens,
-                deployment.pids,
+        # uvloop: with hundreds of streams the clients' own parsing is a real share of
+        # a small machine's CPU, and a lagging client loop inflates what it measures.
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            outcomes, watch = runner.run(
+                drive(
+                    deployment.url,
+                    prompts,
+                    refs,
+                    args.clients,
+                    args.duration,
+                    args.max_tokens,
+                    deployment.pids,
+                )
             )
-        )
         rep = summarize(args, outcomes, watch)
         rep.engine = engine_counters(deployment.engine_metrics)
+        gw = httpx.get(f"{deployment.url}/metrics", timeout=10).text
+        qs = (0.5, 0.99)
+        rep.gateway_ttft_ms = histogram_quantiles(
+            gw, "adaserve_gateway_time_to_first_token_seconds", qs
+        )
+        rep.gateway_tpot_ms = histogram_quantiles(
+            gw, "adaserve_gateway_time_per_output_token_seconds", qs
+        )
     finally:
         deployment.stop()
     print_report(rep)

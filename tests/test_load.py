@@ -23,7 +23,7 @@ def test_short_load_run(tmp_path: Path) -> None:
         [
             sys.executable,
             str(REPO / "benchmarks" / "load_test.py"),
-            *("--clients", "24", "--duration", "10", "--max-tokens", "24"),
+            *("--clients", "12", "--duration", "10", "--max-tokens", "24"),
             *("--work-dir", str(tmp_path / "work"), "--json", str(out)),
         ],
         cwd=REPO,
@@ -35,10 +35,11 @@ def test_short_load_run(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["ok"] and rep["server_errors"] == 0 and rep["failures"] == {}
-    assert rep["requests"] >= 24 and rep["correct"] == rep["requests"]
+    assert rep["requests"] >= 12 and rep["correct"] == rep["requests"]
     assert rep["statuses"] == {"200": rep["requests"]}
     assert rep["tokens"] == 24 * rep["requests"]
     assert set(rep["memory_mb"]) == {"scheduler", "drafter-0", "verifier-0", "gateway", "launcher"}
     assert rep["ttft_ms"]["p99"] >= rep["ttft_ms"]["p50"] > 0
     assert rep["tpot_ms"]["p99"] >= rep["tpot_ms"]["p50"] > 0
-    assert rep["engine"]["spec_accepted_tokens"] > 0  # speculation was really exercised
+    # 12 clients under the default budget of 16: speculation really runs.
+    assert rep["engine"]["spec_accepted_tokens"] > 0
