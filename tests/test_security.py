@@ -224,9 +224,12 @@ def test_oversized_headers_are_refused(edge: Edge) -> None:
 
 def test_oversized_grpc_message_is_refused(edge: Edge) -> None:
     req = gpb.CompleteRequest(options=gpb.RequestOptions(max_tokens=2), text="x" * 100_000)
-    with grpc.insecure_channel(
-        edge.grpc_address, options=[("grpc.max_send_message_length", 1 << 24)]
-    ) as ch, pytest.raises(grpc.RpcError) as info:
+    with (
+        grpc.insecure_channel(
+            edge.grpc_address, options=[("grpc.max_send_message_length", 1 << 24)]
+        ) as ch,
+        pytest.raises(grpc.RpcError) as info,
+    ):
         list(
             ggrpc.GatewayStub(ch).Complete(
                 req, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=10
