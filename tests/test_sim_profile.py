@@ -72,3 +72,45 @@ def test_profile_bad_model(tmp_path: Path, capsys):
     )
     assert rc == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_random_trace_prompts_match_bench_serve_range():
+    from adaserve.sim.record import prompt_ids
+
+    class Tok:  # a tokenizer is ignored when random ids are asked for
+        def encode(self, text: str) -> list[int]:
+            raise AssertionError("tokenizer used")
+
+    prompts = prompt_ids(Tok(), 49152, 5, random_ids=(1000, 20000), length=12)
+    assert len(prompts) == 5 and all(len(p) == 12 for p in prompts)
+    assert all(1000 <= t < 20000 for p in prompts for t in p)
+    assert prompts == prompt_ids(None, 49152, 5, random_ids=(1000, 20000), length=12)
+    # a range beyond the vocabulary is clipped to it
+    assert all(t < 256 for p in prompt_ids(None, 256, 3, random_ids=(10, 20000)) for t in p)
+
+
+def test_profile_bad_random_range(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    rc = main(
+        [
+            "profile",
+            "--target",
+            str(tiny_llama_dir),
+            "--drafter",
+            str(tiny_llama_dir),
+            "--out",
+            str(tmp_path / "p.yaml"),
+            "--tokens",
+            "1,2",
+            "--contexts",
+            "0",
+            "--reps",
+            "1",
+            "--trace",
+            str(tmp_path / "t.jsonl"),
+            "--trace-random-prompts",
+            "5",
+            "--quiet",
+        ]
+    )
+    assert rc == 2
+    assert "LO,HI" in capsys.readouterr().err

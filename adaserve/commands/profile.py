@@ -32,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-steps", type=int, default=32, help="decoding steps per prompt")
     p.add_argument("--trace-depth", type=int, default=4)
     p.add_argument("--trace-width", type=int, default=2)
+    p.add_argument("--trace-prompts", type=int, default=6, help="prompts decoded for the trace")
+    p.add_argument(
+        "--trace-random-prompts",
+        metavar="LO,HI",
+        help="random token-id prompts from [LO, HI), as `adaserve bench serve` sends",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
@@ -45,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.sim.measure import grid_from_args, measure_profile
 
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    random_ids = _ints(args.trace_random_prompts)
+    if random_ids is not None and (len(random_ids) != 2 or not 0 <= random_ids[0] < random_ids[1]):
+        print(
+            "adaserve profile: --trace-random-prompts takes LO,HI with 0 <= LO < HI",
+            file=sys.stderr,
+        )
+        return 2
     try:
         grid = grid_from_args(_ints(args.tokens), _ints(args.contexts), args.reps, args.max_tokens)
         target = load_runner(args.target, args.device, args.dtype, threads=args.threads)
@@ -81,7 +94,12 @@ def run(args: argparse.Namespace) -> int:
             tok = load_tokenizer(args.target)
         except Exception:  # a bare checkpoint: random prompts still give a valid trace
             tok = None
-        prompts = prompt_ids(tok, int(target.vocab_size), 6)
+        prompts = prompt_ids(
+            tok,
+            int(target.vocab_size),
+            args.trace_prompts,
+            random_ids=tuple(random_ids) if random_ids else None,
+        )
         n = write_trace(
             Path(args.trace),
             target,

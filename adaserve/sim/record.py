@@ -121,12 +121,22 @@ def _greedy_path(tree, choice: np.ndarray) -> list[int]:
         path.append(min(nxt))
 
 
-def prompt_ids(tokenizer, vocab_size: int, count: int, seed: int = 0) -> list[list[int]]:
-    """Tokenized default prompts, or random token ids when there is no tokenizer."""
-    if tokenizer is not None:
+def prompt_ids(
+    tokenizer,
+    vocab_size: int,
+    count: int,
+    seed: int = 0,
+    random_ids: tuple[int, int] | None = None,
+    length: int = 24,
+) -> list[list[int]]:
+    """Tokenized default prompts; random token ids when there is no tokenizer or when
+    `random_ids` = (lo, hi) asks for them (`adaserve bench serve` sends ids drawn from
+    such a range, so a trace meant to replay a benchmark run records the same kind)."""
+    if tokenizer is not None and random_ids is None:
         return [list(tokenizer.encode(p))[:256] for p in DEFAULT_PROMPTS[:count]] or [[1]]
+    lo, hi = random_ids if random_ids is not None else (0, vocab_size)
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, size=24).tolist() for _ in range(count)]
+    return [rng.integers(lo, min(hi, vocab_size), size=length).tolist() for _ in range(count)]
 
 
 def write_trace(path: Path, *args, **kwargs) -> int:
