@@ -52,7 +52,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 up: $(STAMP)
-	$(BIN)/adaserve up --target embedded --drafter embedded --port $(or $(PORT),8000)
+	$(BIN)/adaserve up --target embedded --drafter embedded --config configs/embedded-cpu.yaml --port $(or $(PORT),8000)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -45,10 +45,13 @@ def _default_classes() -> dict[str, SLOClass]:
 class SLOSettings(BaseModel):
     classes: dict[str, SLOClass] = Field(default_factory=_default_classes)
     default_class: str = "chat"
-    # Per-token latency of plain decoding at near-zero load; `adaserve profile` measures it.
-    baseline_tpot_ms: PositiveFloat = 40.0
+    # Per-token latency of plain decoding (batch 8) on this hardware, which classes with
+    # `baseline_scale` multiply. "auto": the verifier times it on its target at startup.
+    baseline_tpot_ms: PositiveFloat | Literal["auto"] = 40.0
 
     def resolve(self, name: str) -> float:
+        if self.baseline_tpot_ms == "auto":
+            raise ValueError("slo.baseline_tpot_ms is 'auto': the engine resolves it at startup")
         return self.classes[name].resolve_ms(self.baseline_tpot_ms)
 
 

@@ -171,6 +171,10 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "adaserve",
     ) -> None:
+        if settings.slo.baseline_tpot_ms == "auto":
+            raise ValueError(
+                "slo.baseline_tpot_ms 'auto' must be measured first (build_engine does)"
+            )
         self.target = target
         self.drafter = drafter if settings.engine.speculation else None
         self.scheduler = scheduler

@@ -35,6 +35,13 @@ def build_engine(settings: Settings) -> Engine:
         max_model_len=settings.engine.max_model_len,
     )
     tokenizer = load_tokenizer(target_dir)
+    if settings.slo.baseline_tpot_ms == "auto":
+        from adaserve.model.baseline import measure_baseline_ms
+
+        baseline = round(measure_baseline_ms(runner), 2)
+        log.info("baseline TPOT (plain decoding, batch 8) measured: %.2f ms", baseline)
+        slo = settings.slo.model_copy(update={"baseline_tpot_ms": baseline})
+        settings = settings.model_copy(update={"slo": slo})
     target = RunnerTarget(runner, eos_token_ids(tokenizer, runner), settings.engine.prefill_chunk)
     return Engine(
         target=target,
