@@ -9,12 +9,19 @@
   w = max(1, min(W_max, floor(B / n))).
 - `fixed`: (fixed_depth, fixed_width) whatever the load.
 
+With `draft_cost_tokens` set, the eurosys and v1 depths are capped by `cost_depth`: the
+chain depth that maximizes expected accepted tokens per unit of iteration time under the
+budget's cost model. Eq. 8 alone (D_max 6 at light load) buys draft steps of ~5 ms each
+for about one extra accepted token over four steps (benchmarks/sim/RESULTS.md).
+
 With no active requests there is nothing to speculate for; every policy then answers
 as it would for a single request, so the first request of an idle server is planned
 for the lightest load.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from adaserve.config import AdaptiveSettings
 
@@ -32,14 +39,27 @@ def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[i
     if s.policy == "v1":
         depth = max(1, min(s.d_max, -(-budget // n)))
         width = max(1, min(s.w_max, budget // n))
-        return depth, width
+        return min(depth, cost_depth(n, budget, s)), width
     b1 = s.b1 if s.b1 is not None else budget
     b2 = s.b2 if s.b2 is not None else budget
     # n + c1 <= 0 would divide by zero or flip the sign: treat it as the deepest plan.
     depth = b1 // (n + s.c1) - 1 if n + s.c1 > 0 else s.d_max
     depth = _clip(depth, s.d_min, max(s.d_min, s.d_max))
     width = _clip(b2 // n + s.c2, 1, s.w_max)
-    return depth, width
+    return min(depth, cost_depth(n, budget, s)), width
+
+
+def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
+    """The chain depth d that maximizes expected accepted tokens per unit of iteration
+    time, n * sum(alpha^j, j = 0..d) / (B + n * (d + 1) + d * draft_cost_tokens), with
+    the budget's own cost model (B is the knee: a forward of N tree tokens costs about
+    B + N token-units); d_max when draft_cost_tokens is None. At least d_min."""
+    if s.draft_cost_tokens is None:
+        return s.d_max
+    d = np.arange(1, max(s.d_min, s.d_max) + 1)
+    accepted = (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
+    cost = budget + n * (d + 1) + d * s.draft_cost_tokens
+    return max(s.d_min, int(d[np.argmax(n * accepted / cost)]))
 
 
 def _clip(x: int, lo: int, hi: int) -> int:

@@ -68,6 +68,13 @@ class AdaptiveSettings(BaseModel):
     c2: int = 0
     fixed_depth: PositiveInt = 4
     fixed_width: PositiveInt = 1
+    # Cost cap on the eurosys/v1 depth: one drafter step's latency in verifier tokens
+    # (the verify time of that many more tree tokens); None -> no cap. With it, d is at
+    # most the chain depth that maximizes expected accepted tokens per unit of
+    # iteration time (adaserve/adaptive.py), so light load stops paying draft steps for
+    # tokens that are rarely accepted.
+    draft_cost_tokens: PositiveFloat | None = None
+    acceptance: float = Field(default=0.75, gt=0.0, lt=1.0)  # per drafted token, for the cap
 
 
 class SchedulerSettings(BaseModel):

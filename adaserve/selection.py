@@ -5,10 +5,14 @@ choose the nodes to verify. Every root costs one budget slot and counts 1.0 towa
 expected accepted tokens (the bonus token is always emitted).
 
 Policies:
-- `adaserve`: the SLO phase, then the throughput phase. SLO phase: requests in
-  descending A(r) (setting `order`), each adds its highest-f remaining nodes until
-  1 + sum f >= A_cap(r), or it holds n_max nodes (root included), or the budget is
-  spent. Throughput phase: the rest of B goes to the globally highest-f nodes left.
+- `adaserve`: the SLO phase, then the throughput phase (Algorithm 2 with two changes,
+  benchmarks/sim/RESULTS.md). SLO phase: the requests that can reach A_cap(r) this
+  iteration with at most n_max nodes (root included), in descending A(r) (setting
+  `order`), each add their highest-f nodes until 1 + sum f >= A_cap(r) or the budget
+  is spent; a request that cannot reach it keeps only its root here (triage: Algorithm
+  2 would give it n_max nodes of low-f tails). Throughput phase: the globally
+  highest-f nodes left, while each raises the expected accepted tokens per unit of
+  verify time (knee cost model, `throughput_phase`), at most the rest of B.
 - `equal` (EqualGreedy): B split evenly, each request greedy within its share.
 - `global` (GlobalGreedy): roots, then the throughput phase only.
 - `optimal`: Algorithm 1 on exact f (adaserve/optimal.py).
@@ -38,6 +42,9 @@ from adaserve.tree import CandidateTree, TreeBatch, TreeError
 POLICIES = ("adaserve", "equal", "global", "optimal")
 ORDERS = ("descending_a", "ascending_a")
 _TAKEN = np.uint64(np.iinfo(np.uint64).max)  # above every node's greedy key
+# A forward of N tree tokens costs about (KNEE * B + N) token-units: B is the knee, the
+# largest forward costing about twice a single-token one.
+KNEE = 1.0
 _ELAPSED = operator.attrgetter("elapsed_ms")
 _DECODED = operator.attrgetter("decoded")
 _TPOT = operator.attrgetter("tpot_slo_ms")
@@ -140,8 +147,14 @@ def select(
         return optimal_selection(batch, a, a_cap, params.budget)
     if params.policy == "adaserve":
         n_max = params.n_max if params.n_max is not None else default_n_max(params.budget, n)
-        take = slo_phase(batch, a, a_cap, params.budget, n_max, params.order)
-    elif params.policy == "equal":
+        take, held = slo_phase(batch, a, a_cap, params.budget, n_max, params.order)
+        mask = prefix_mask(batch, take)
+        taken = int(take.sum())
+        throughput_phase(
+            batch, mask, params.budget - taken, taken, worth=(float(held.sum()), params.budget)
+        )
+        return assemble(batch, mask, a, a_cap)
+    if params.policy == "equal":
         take = equal_shares(batch, params.budget)
     else:  # global
         take = np.ones(n, dtype=np.int64)
@@ -159,9 +172,18 @@ def slo_phase(
     budget: int,
     n_max: int,
     order: str = "descending_a",
-) -> np.ndarray:
-    """Nodes each request holds after the SLO phase (root included): int64 [n]."""
-    want, _ = greedy_prefix(batch, a_cap, n_max)
+) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes each request holds after the SLO phase, root included: int64 [n];
+    expected accepted tokens of those nodes: float64 [n]).
+
+    Only requests whose greedy prefix of at most n_max nodes reaches A_cap take part
+    (triage): one that cannot get back on track this iteration would spend its nodes
+    on low-f tails that return little and delay the requests still savable; it keeps
+    its root and competes in the throughput phase like everyone else."""
+    want, acc = greedy_prefix(batch, a_cap, n_max)
+    held = acc[np.arange(len(batch)), want - 1]
+    savable = held >= a_cap
+    want = np.where(savable, want, 1)
     rank = np.argsort(-a if order == "descending_a" else a, kind="stable")
     extra = want[rank] - 1  # the roots are paid for up front
     # Requests consume the budget one after another: each gets what it wants, clipped
@@ -169,7 +191,7 @@ def slo_phase(
     before = np.cumsum(extra) - extra
     take = np.empty(len(batch), dtype=np.int64)
     take[rank] = np.minimum(extra, np.maximum(budget - len(batch) - before, 0)) + 1
-    return take
+    return take, acc[np.arange(len(batch)), take - 1]
 
 
 def equal_shares(batch: TreeBatch, budget: int) -> np.ndarray:
@@ -204,16 +226,43 @@ def prefix_mask(batch: TreeBatch, take: np.ndarray) -> np.ndarray:
     return batch.greedy_keys() <= last[:, None]
 
 
-def throughput_phase(batch: TreeBatch, mask: np.ndarray, spare: int, taken: int) -> None:
+def throughput_phase(
+    batch: TreeBatch,
+    mask: np.ndarray,
+    spare: int,
+    taken: int,
+    worth: tuple[float, int] | None = None,
+) -> None:
     """Adds (in place) the `spare` globally highest-f nodes not yet in `mask`, which
-    holds `taken` nodes."""
+    holds `taken` nodes.
+
+    With `worth` = (expected accepted tokens of `mask`, budget B) it stops early, at
+    the first node that would lower the expected accepted tokens per unit of verify
+    time. The cost model is the budget's own definition (B is the knee: a forward of
+    B tokens costs about twice a single-token one), so a forward of N tokens costs
+    about (KNEE * B + N) token-units and a node of path probability f pays for itself
+    while f > accepted / (KNEE * B + N). At light load that keeps every useful node;
+    near the budget it drops the long low-f tails whose verify time every request in
+    the batch pays for."""
     k = min(spare, batch.num_nodes - taken)
     if k <= 0:
         return
     keys = batch.greedy_keys()
     left = np.where(mask, _TAKEN, keys).reshape(-1)
-    # Keys are unique, so the k-th smallest is an exact cut.
-    mask |= keys <= np.partition(left, k - 1)[k - 1]
+    if worth is None:
+        # Keys are unique, so the k-th smallest is an exact cut.
+        mask |= keys <= np.partition(left, k - 1)[k - 1]
+        return
+    best = np.partition(left, k - 1)[:k]
+    best.sort()
+    f = np.exp(batch.cell_log_f()[batch.cells(best)])
+    accepted, budget = worth
+    before = accepted + np.cumsum(f) - f  # expected accepted before each node
+    pays = f * (KNEE * budget + taken + np.arange(k)) > before
+    # f falls and the bar rises along the order, so the nodes that pay are a prefix.
+    stop = k if pays.all() else int(np.argmin(pays))
+    if stop:
+        mask |= keys <= best[stop - 1]
 
 
 def assemble(batch: TreeBatch, mask: np.ndarray, a: np.ndarray, a_cap: np.ndarray) -> Selection:

@@ -95,3 +95,31 @@ def test_selection_params_follow_the_settings():
     params = selection_params(SchedulerSettings(budget=8), 3, 10.0)
     fig2 = select(FIG2_REQUESTS, [FIG2_R0, FIG2_R1], params)
     assert fig2.a == pytest.approx([1.6 + 0.05, 1.8 + 0.05])
+
+
+def test_cost_cap_is_off_by_default():
+    s = AdaptiveSettings(d_max=6, w_max=1, c1=-8)
+    assert s.draft_cost_tokens is None
+    assert plan_depth_width(10, 128, s) == (6, 1)
+
+
+def test_cost_cap_picks_the_depth_with_most_tokens_per_unit_time():
+    s = AdaptiveSettings(d_max=6, w_max=1, c1=-8, draft_cost_tokens=20.0, acceptance=0.75)
+    for n in (1, 5, 10, 20, 30, 60):
+        eq8, _ = plan_depth_width(n, 128, s.model_copy(update={"draft_cost_tokens": None}))
+
+        def rate(d: int, n: int = n) -> float:
+            return n * sum(0.75**j for j in range(d + 1)) / (128 + n * (d + 1) + 20.0 * d)
+
+        best = max(range(1, 7), key=rate)
+        assert plan_depth_width(n, 128, s)[0] == min(eq8, best)
+    # Light load no longer drafts six steps; heavier load drafts fewer than light load.
+    assert plan_depth_width(10, 128, s)[0] < 6
+    assert plan_depth_width(40, 128, s)[0] <= plan_depth_width(5, 128, s)[0]
+
+
+def test_cost_cap_keeps_d_min_and_leaves_fixed_alone():
+    s = AdaptiveSettings(d_min=3, d_max=6, draft_cost_tokens=1000.0)
+    assert plan_depth_width(50, 128, s)[0] == 3
+    fixed = AdaptiveSettings(policy="fixed", fixed_depth=5, draft_cost_tokens=1000.0)
+    assert plan_depth_width(50, 128, fixed) == (5, 1)

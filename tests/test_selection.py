@@ -47,8 +47,9 @@ def test_figure_2_phase_by_phase():
     batch = TreeBatch.from_trees([FIG2_R0, FIG2_R1])
     a = np.array([1.6, 1.8])
     # SLO phase: r1 (larger A) takes t1, t2 (1 + 0.5 + 0.4 >= 1.8); r0 takes t1 (1.7 >= 1.6).
-    take = slo_phase(batch, a, a, budget=8, n_max=default_n_max(8, 2))
+    take, held = slo_phase(batch, a, a, budget=8, n_max=default_n_max(8, 2))
     assert take.tolist() == [2, 3]
+    np.testing.assert_allclose(held, [1.7, 1.9])
     slo_nodes = prefix_mask(batch, take)
     assert np.flatnonzero(slo_nodes[0]).tolist() == [0, 1]
     assert np.flatnonzero(slo_nodes[1]).tolist() == [0, 1, 2]
@@ -70,8 +71,10 @@ def test_figure_2_ablations():
     # Roots, then the 6 best of 0.7 0.5 0.4 0.4 0.35 0.3 (ties: shallower, then r0 first).
     assert [s.tolist() for s in glob.selected] == [[0, 1, 3, 5], [0, 1, 2, 3]]
     tight = select(FIG2_REQUESTS, trees, dataclasses.replace(FIG2_PARAMS, budget=3))
-    # One slot after the roots. Descending A: r1 gets t1 (1.5 < 1.8, budget gone).
-    assert [s.tolist() for s in tight.selected] == [[0], [0, 1]]
+    # One slot after the roots, n_max 2. Descending A serves r1 first, but its two best
+    # nodes reach only 1.5 < 1.8 (Algorithm 2 would spend the slot on it anyway):
+    # triage skips it and r0 reaches 1.7 >= 1.6 with t1.
+    assert [s.tolist() for s in tight.selected] == [[0, 1], [0]]
     ascending = dataclasses.replace(FIG2_PARAMS, budget=3, order="ascending_a")
     # Ascending A (the FlexFlow code's order): r0 goes first and reaches 1.7 >= 1.6.
     assert [s.tolist() for s in select(FIG2_REQUESTS, trees, ascending).selected] == [[0, 1], [0]]
@@ -101,6 +104,31 @@ def test_requests_already_on_track_get_only_the_throughput_phase():
     sel = select(reqs, trees, dataclasses.replace(FIG2_PARAMS, budget=3))
     # No SLO demand: the one spare slot goes to the best node overall, r0's t1 (0.7).
     assert [s.tolist() for s in sel.selected] == [[0, 1], [0]]
+
+
+def test_triage_serves_a_savable_request_before_a_hopeless_one():
+    trees = [FIG2_R0, FIG2_R1]
+    # r1 is furthest behind (descending A serves it first) but even its n_max best nodes
+    # (1 + 0.5 + 0.4 + 0.35 ...) cannot reach A_cap = d + 1 = 4: its SLO-phase slot
+    # would be wasted. r0 reaches 1.6 with t1, so the one spare slot goes to r0.
+    reqs = [progress("r0", 1.6), progress("r1", 6.0)]
+    sel = select(reqs, trees, dataclasses.replace(FIG2_PARAMS, budget=3))
+    assert [s.tolist() for s in sel.selected] == [[0, 1], [0]]
+    # Algorithm 2 would have given it to r1; the throughput phase still serves r1 by f.
+    roomy = select(reqs, trees, FIG2_PARAMS)
+    assert roomy.selected[1].tolist() == [0, 1, 2, 3]
+
+
+def test_throughput_phase_stops_where_a_node_no_longer_pays_for_its_verify_time():
+    chain = tree_from_f([-1, 0, 1, 2], [1.0, 0.9, 0.6, 0.01])
+    params = SelectionParams(100, 3, 10.0)
+    sel = select([progress("r", 0.0)], [chain], params)
+    # 0.9 * (100 + 1) > 1 and 0.6 * (100 + 2) > 1.9, but 0.01 * 103 < 2.5: the last
+    # node would cost more verify time than the tokens it is expected to return.
+    assert sel.selected[0].tolist() == [0, 1, 2] and sel.budget_used == 3
+    # GlobalGreedy (the ablation) fills the budget regardless.
+    glob = select([progress("r", 0.0)], [chain], dataclasses.replace(params, policy="global"))
+    assert glob.selected[0].tolist() == [0, 1, 2, 3]
 
 
 def test_empty_batch():

@@ -69,7 +69,8 @@ def greedy_key(tree: CandidateTree, k: int, i: int, logf: np.ndarray, depth: np.
 
 
 def reference_select(requests, trees, params) -> list[list[int]]:
-    """Algorithm 2 (and EqualGreedy / GlobalGreedy) node by node, as the paper writes it."""
+    """Algorithm 2 with triage and the marginal-value stop (adaserve), EqualGreedy and
+    GlobalGreedy, node by node."""
     n, budget = len(trees), params.budget - len(trees)  # every root costs one slot
     logf = [t.path_logprobs() for t in trees]
     f = [np.exp(lf) for lf in logf]
@@ -91,6 +92,10 @@ def reference_select(requests, trees, params) -> list[list[int]]:
         n_max = params.n_max or math.ceil(Fraction(6, 5) * params.budget / n)
         sign = -1 if params.order == "descending_a" else 1
         for k in sorted(range(n), key=lambda k: sign * a[k]):
+            # Triage: only a request whose n_max best nodes reach A_cap takes part.
+            best = sorted(range(len(trees[k])), key=lambda i: key[k, i])[:n_max]
+            if np.cumsum(f[k][best])[-1] < a_cap[k]:
+                continue
             n_acc = 1.0
             while n_acc < a_cap[k] and len(chosen[k]) < n_max and budget > 0:
                 v = top(k)
@@ -99,6 +104,23 @@ def reference_select(requests, trees, params) -> list[list[int]]:
                 chosen[k].add(v)
                 n_acc += f[k][v]
                 budget -= 1
+        # Throughput phase: a node is added while it raises accepted / (B + nodes).
+        accepted = sum(float(f[k][i]) for k in range(n) for i in chosen[k])
+        nodes = sum(len(c) for c in chosen)
+        while budget > 0:
+            left = [
+                key[k, i] for k, t in enumerate(trees) for i in range(len(t)) if i not in chosen[k]
+            ]
+            if not left:
+                break
+            _, _, k, v = min(left)
+            if not f[k][v] * (params.budget + nodes) > accepted:
+                break
+            chosen[k].add(v)
+            accepted += float(f[k][v])
+            nodes += 1
+            budget -= 1
+        budget = 0
     if params.policy == "equal":
         for k in range(n):
             share = params.budget // n + (1 if k < params.budget % n else 0)

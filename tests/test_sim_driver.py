@@ -144,3 +144,18 @@ def test_cb_priority_admits_tight_slos_first(policy):
         assert by_arrival == 0  # first come, first served
     else:
         assert by_slo == 0 and by_arrival > 0  # tight SLOs jump the queue
+
+
+def test_planner_gets_the_profiles_draft_cost_in_verify_tokens():
+    from adaserve.sim.costmodel import load_profile
+    from adaserve.sim.driver import draft_cost_tokens, engine_settings, workload_profile
+    from adaserve.sim.workload import load_workload
+
+    profile = load_profile("llama-3.1-70b-tp4-a100")
+    # Draft step ~4.8 ms at 128 tokens over (85 - 55) / 128 ms per verify token above B.
+    assert draft_cost_tokens(profile, 128) == pytest.approx(4.833 / (30 / 128), rel=1e-3)
+    wl = load_workload("workloads/adaserve-eurosys.yaml")
+    settings = engine_settings(wl, workload_profile(wl), policy_spec("adaserve", 64))
+    adaptive = settings.scheduler.adaptive
+    assert adaptive.draft_cost_tokens == pytest.approx(20.62, rel=1e-3)
+    assert (adaptive.d_max, adaptive.c1) == (6, -8)  # the workload's own settings stay

@@ -68,9 +68,20 @@ def workload_profile(workload: Workload) -> HardwareProfile:
     return load_profile(local if local is not None and local.is_file() else workload.profile)
 
 
+def draft_cost_tokens(profile: HardwareProfile, budget: int) -> float | None:
+    """One drafter step's latency in verifier tokens at the budget: the draft step over
+    the verify curve's cost per token just above B (what a deployment reads off its own
+    `adaserve profile`). None when the curve is flat there (no cost to trade against)."""
+    slope = (profile.verify_ms(2 * budget, 0) - profile.verify_ms(budget, 0)) / budget
+    return profile.draft_ms(budget) / slope if slope > 0 else None
+
+
 def engine_settings(workload: Workload, profile: HardwareProfile, spec: PolicySpec) -> Settings:
     base: dict[str, Any] = {
-        "scheduler": {"budget": profile.budget},
+        "scheduler": {
+            "budget": profile.budget,
+            "adaptive": {"draft_cost_tokens": draft_cost_tokens(profile, profile.budget)},
+        },
         "slo": {"baseline_tpot_ms": profile.baseline_ms()},
     }
     merged = merge_settings(
