@@ -53,9 +53,9 @@ def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
     """The chain depth d that maximizes expected accepted tokens per unit of iteration
     time, n * sum(alpha^j, j = 0..d) / (B + n * (d + 1) + d * draft_cost_tokens), with
     the budget's own cost model (B is the knee: a forward of N tree tokens costs about
-    B + N token-units); d_max when draft_cost_tokens is None. At least d_min."""
+    B + N token-units); no cap when draft_cost_tokens is None. At least d_min."""
     if s.draft_cost_tokens is None:
-        return s.d_max
+        return max(s.d_min, s.d_max)  # no cap (d_min wins where it exceeds d_max)
     d = np.arange(1, max(s.d_min, s.d_max) + 1)
     accepted = (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
     cost = budget + n * (d + 1) + d * s.draft_cost_tokens

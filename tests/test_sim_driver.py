@@ -101,9 +101,15 @@ def test_each_policy_honours_its_budget(policy):
             assert tokens == n * 21  # <1,1,3,1,1,1,1,1>: 20 drafted nodes + root
         else:
             assert tokens == n  # no speculation: roots only
-    if policy in ("adaserve", "equal", "global"):
+    if policy in ("equal", "global"):
         # the budget binds under load: selection spends it, not more
         assert max(t for _, t in batches) == budget
+    if policy == "adaserve":
+        # the budget is a cap: adaserve stops where a node no longer pays for its
+        # verify time, so it may leave part of it unspent, but it still speculates
+        assert any(t > n for n, t in batches)
+        assert max(t for _, t in batches) <= budget
+    if policy in ("adaserve", "equal", "global"):
         assert res.summary["mean_accepted"] > 1.5
     if policy.startswith("cb"):
         assert res.summary["mean_accepted"] == 1.0
