@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-width", type=int, default=2)
     p.add_argument("--trace-prompts", type=int, default=6, help="prompts decoded for the trace")
     p.add_argument(
+        "--trace-prompt-len", type=int, default=24, help="length of random trace prompts"
+    )
+    p.add_argument(
         "--trace-random-prompts",
         metavar="LO,HI",
         help="random token-id prompts from [LO, HI), as `adaserve bench serve` sends",
@@ -99,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             int(target.vocab_size),
             args.trace_prompts,
             random_ids=tuple(random_ids) if random_ids else None,
+            length=args.trace_prompt_len,
         )
         n = write_trace(
             Path(args.trace),
