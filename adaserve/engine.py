@@ -313,7 +313,7 @@ class Engine:
         )
         t3 = self.clock()
         for r, tree, res in zip(batch, selected, results, strict=True):
-            self._record_spec(tree, res.accepted_nodes)
+            self._record_spec(tree, res.accepted_nodes, len(res.emitted_tokens))
             self._apply(r, res.emitted_tokens.tolist(), t3)
         self._observe_iteration(batch, selected, t0, t1, t2, t3)
         self._flush_releases()
@@ -651,12 +651,13 @@ class Engine:
 
     # ---- observability -------------------------------------------------------------
 
-    def _record_spec(self, tree: CandidateTree, accepted_nodes) -> None:
+    def _record_spec(self, tree: CandidateTree, accepted_nodes, emitted: int) -> None:
         drafted = len(tree) - 1
         if drafted == 0:
             return
         accepted = len(accepted_nodes) - 1
         metrics.spec_num_drafts.inc()
+        metrics.spec_emitted_tokens.inc(emitted)
         metrics.spec_num_draft_tokens.inc(drafted)
         metrics.spec_num_accepted_tokens.inc(accepted)
         for pos in range(accepted):

@@ -236,3 +236,18 @@ def test_threaded_loop_streams_to_a_reader(target_dir):
         engine.stop()
     assert toks == hf_greedy(target_dir, PROMPTS[2], 12)
     assert np.isfinite(engine.tspec.predict_ms(4))
+
+
+def test_spec_metrics_count_emitted_tokens(target_dir):
+    """vLLM-style spec-decode counters: emitted / drafts is the tokens per verification
+    step that dashboards (and benchmarks/sim/validate_cpu.py) read."""
+    engine = make_engine(target_dir, target_dir)  # self-drafting: chains are accepted
+    drafts = metrics.spec_num_drafts._value.get()
+    emitted = metrics.spec_emitted_tokens._value.get()
+    accepted = metrics.spec_num_accepted_tokens._value.get()
+    res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 24, 50.0))])
+    d = metrics.spec_num_drafts._value.get() - drafts
+    e = metrics.spec_emitted_tokens._value.get() - emitted
+    a = metrics.spec_num_accepted_tokens._value.get() - accepted
+    assert d > 0 and e == a + d  # every step emits its accepted tokens plus one
+    assert e <= len(res["tokens"]["r0"]) and e / d > 1.5

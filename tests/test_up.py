@@ -153,3 +153,12 @@ def test_bad_arguments() -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "--all-in-one" in r.stderr
+
+
+def test_service_env_sleeps_idle_openmp_threads_unless_told_otherwise() -> None:
+    from adaserve.commands.up import service_env
+
+    env = service_env({"PATH": "/bin"})
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["PATH"] == "/bin"
+    assert service_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -28,6 +28,14 @@ from pathlib import Path
 STOP_TIMEOUT_S = 10.0
 
 
+def service_env(base: os._Environ | dict[str, str]) -> dict[str, str]:
+    """A service's environment. Idle OpenMP threads sleep instead of spinning: on a CPU
+    host the services (and the gateway's streaming) share cores with the model's torch
+    threads, and spinning threads starve them (one request through an all-in-one server
+    on 2 cores: 6.9 tok/s spinning, 12.2 sleeping). A value the user set wins."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", **base, "PYTHONUNBUFFERED": "1"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="embedded", help="target model (PATH or embedded)")
     parser.add_argument(
@@ -77,7 +85,7 @@ class Service:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=service_env(os.environ),
             start_new_session=True,  # own process group: TP ranks die with it
         )
         log.close()
