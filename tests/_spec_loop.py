@@ -50,11 +50,14 @@ def generate(
     rngs: dict[str, TokenRng] | None = None,
     seed: int = 0,
     free: bool = True,
+    policy: str = "adaserve",
 ) -> tuple[dict[str, list[int]], LoopStats]:
     """Generate `max_tokens` tokens per prompt (eos ignored); returns new tokens per id.
 
     Trees come from `drafter` (BeamDrafter, depth x width) or `tree_fn`, else root-only
-    (plain decoding). `budget(n, rng)` picks the verifier budget each step (>= n).
+    (plain decoding). `budget(n, rng)` picks the verifier budget each step (>= n);
+    `policy` is the selection policy (`global` verifies every node the budget fits:
+    tests of acceptance itself use it, since `adaserve` may stop short of the budget).
     """
     sp = sp or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sps = sp if isinstance(sp, dict) else {i: sp for i in prompts}
@@ -92,7 +95,7 @@ def generate(
             trees = [CandidateTree.root_only(tokens[i][-1]) for i in live]
         for i, t in zip(live, trees, strict=True):
             assert int(t.tokens[0]) == tokens[i][-1], "tree root must be the last token"
-        selected = _select(live, trees, depth, budget, rng)
+        selected = _select(live, trees, depth, budget, rng, policy)
         logits = target.forward(
             [SeqInput(i, t.tokens, t.parents) for i, t in zip(live, selected, strict=True)]
         )
@@ -118,7 +121,7 @@ def generate(
     return out, stats
 
 
-def _select(live, trees, depth, budget, rng) -> list[CandidateTree]:
+def _select(live, trees, depth, budget, rng, policy: str) -> list[CandidateTree]:
     if budget is None or all(len(t) == 1 for t in trees):
         return trees
     n = len(live)
@@ -129,7 +132,10 @@ def _select(live, trees, depth, budget, rng) -> list[CandidateTree]:
         for i in live
     ]
     params = SelectionParams(
-        budget=max(n, budget(n, rng)), depth=depth, t_spec_ms=float(rng.uniform(1, 50))
+        budget=max(n, budget(n, rng)),
+        depth=depth,
+        t_spec_ms=float(rng.uniform(1, 50)),
+        policy=policy,
     )
     sel = select(progress, trees, params)
     return [t.subtree(idx) for t, idx in zip(trees, sel.selected, strict=True)]

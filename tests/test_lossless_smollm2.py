@@ -79,6 +79,7 @@ def test_target_as_its_own_drafter(smol):
         depth=depth,
         width=width,
         budget=lambda n, rng: n * (1 + depth * width),
+        policy="global",  # every drafted node verified: acceptance itself is under test
     )
     assert out == ref
     assert sum(stats.accepted) / len(stats.accepted) > 3
