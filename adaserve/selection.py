@@ -42,9 +42,6 @@ from adaserve.tree import CandidateTree, TreeBatch, TreeError
 POLICIES = ("adaserve", "equal", "global", "optimal")
 ORDERS = ("descending_a", "ascending_a")
 _TAKEN = np.uint64(np.iinfo(np.uint64).max)  # above every node's greedy key
-# A forward of N tree tokens costs about (KNEE * B + N) token-units: B is the knee, the
-# largest forward costing about twice a single-token one.
-KNEE = 1.0
 _ELAPSED = operator.attrgetter("elapsed_ms")
 _DECODED = operator.attrgetter("decoded")
 _TPOT = operator.attrgetter("tpot_slo_ms")
@@ -145,23 +142,19 @@ def select(
         from adaserve.optimal import optimal_selection  # it builds on this module
 
         return optimal_selection(batch, a, a_cap, params.budget)
+    worth = None  # adaserve's throughput phase stops where nodes stop paying
     if params.policy == "adaserve":
         n_max = params.n_max if params.n_max is not None else default_n_max(params.budget, n)
         take, held = slo_phase(batch, a, a_cap, params.budget, n_max, params.order)
-        mask = prefix_mask(batch, take)
-        taken = int(take.sum())
-        throughput_phase(
-            batch, mask, params.budget - taken, taken, worth=(float(held.sum()), params.budget)
-        )
-        return assemble(batch, mask, a, a_cap)
-    if params.policy == "equal":
+        worth = (float(held.sum()), params.budget)
+    elif params.policy == "equal":
         take = equal_shares(batch, params.budget)
     else:  # global
         take = np.ones(n, dtype=np.int64)
     mask = prefix_mask(batch, take)
     if params.policy != "equal":
         taken = int(take.sum())
-        throughput_phase(batch, mask, params.budget - taken, taken)
+        throughput_phase(batch, mask, params.budget - taken, taken, worth)
     return assemble(batch, mask, a, a_cap)
 
 
@@ -181,9 +174,8 @@ def slo_phase(
     on low-f tails that return little and delay the requests still savable; it keeps
     its root and competes in the throughput phase like everyone else."""
     want, acc = greedy_prefix(batch, a_cap, n_max)
-    held = acc[np.arange(len(batch)), want - 1]
-    savable = held >= a_cap
-    want = np.where(savable, want, 1)
+    rows = np.arange(len(batch))
+    want = np.where(acc[rows, want - 1] >= a_cap, want, 1)  # triage: savable ones only
     rank = np.argsort(-a if order == "descending_a" else a, kind="stable")
     extra = want[rank] - 1  # the roots are paid for up front
     # Requests consume the budget one after another: each gets what it wants, clipped
@@ -191,7 +183,7 @@ def slo_phase(
     before = np.cumsum(extra) - extra
     take = np.empty(len(batch), dtype=np.int64)
     take[rank] = np.minimum(extra, np.maximum(budget - len(batch) - before, 0)) + 1
-    return take, acc[np.arange(len(batch)), take - 1]
+    return take, acc[rows, take - 1]
 
 
 def equal_shares(batch: TreeBatch, budget: int) -> np.ndarray:
@@ -240,8 +232,8 @@ def throughput_phase(
     the first node that would lower the expected accepted tokens per unit of verify
     time. The cost model is the budget's own definition (B is the knee: a forward of
     B tokens costs about twice a single-token one), so a forward of N tokens costs
-    about (KNEE * B + N) token-units and a node of path probability f pays for itself
-    while f > accepted / (KNEE * B + N). At light load that keeps every useful node;
+    about (B + N) token-units and a node of path probability f pays for itself while
+    f > accepted / (B + N). At light load that keeps every useful node;
     near the budget it drops the long low-f tails whose verify time every request in
     the batch pays for."""
     k = min(spare, batch.num_nodes - taken)
@@ -258,7 +250,7 @@ def throughput_phase(
     f = np.exp(batch.cell_log_f()[batch.cells(best)])
     accepted, budget = worth
     before = accepted + np.cumsum(f) - f  # expected accepted before each node
-    pays = f * (KNEE * budget + taken + np.arange(k)) > before
+    pays = f * (budget + taken + np.arange(k)) > before
     # f falls and the bar rises along the order, so the nodes that pay are a prefix.
     stop = k if pays.all() else int(np.argmin(pays))
     if stop:
