@@ -36,7 +36,7 @@ def build_engine(settings: Settings) -> Engine:
     )
     tokenizer = load_tokenizer(target_dir)
     if settings.slo.baseline_tpot_ms == "auto":
-        from adaserve.model.baseline import measure_baseline_ms
+        from adaserve.sim.measure import measure_baseline_ms
 
         baseline = round(measure_baseline_ms(runner), 2)
         log.info("baseline TPOT (plain decoding, batch 8) measured: %.2f ms", baseline)

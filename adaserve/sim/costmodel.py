@@ -28,6 +28,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+# The baseline TPOT that SLO classes scale (paper 000): plain decoding at batch 8 with
+# 32-token prompts, halfway through 128-token outputs.
+BASELINE_BATCH = 8
+BASELINE_CONTEXT = BASELINE_BATCH * (32 + 64)  # cached tokens over the whole batch
 
 
 class Curve(BaseModel):
@@ -122,11 +126,10 @@ class HardwareProfile(BaseModel):
         return self.prefill(tokens) if tokens > 0 else 0.0
 
     def baseline_ms(self) -> float:
-        """Paper 000's recipe: plain decoding at batch 8, 32-token prompts, 128-token
-        outputs (mean context 8 * (32 + 64))."""
+        """Paper 000's recipe (BASELINE_BATCH, BASELINE_CONTEXT)."""
         if self.baseline_tpot_ms is not None:
             return float(self.baseline_tpot_ms)
-        return self.verify_ms(8, 8 * (32 + 64))
+        return self.verify_ms(BASELINE_BATCH, BASELINE_CONTEXT)
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.sim.costmodel import Curve, HardwareProfile, Surface
+from adaserve.sim.costmodel import (
+    BASELINE_BATCH,
+    BASELINE_CONTEXT,
+    Curve,
+    HardwareProfile,
+    Surface,
+)
 
 MAX_SEQS = 8
 
@@ -74,12 +80,35 @@ class _Seqs:
             self.runner.forward(inputs)
         else:
             self.runner.forward(inputs, last_only=True)
+        _sync(self.runner)
         for sid in self.ids[:k]:
             self.runner.commit(sid, [])
 
     def free(self) -> None:
         for sid in self.ids:
             self.runner.free(sid)
+
+
+def _sync(runner) -> None:
+    """CUDA kernels run asynchronously: a timed forward ends when the GPU is done."""
+    import torch  # the simulator itself runs without torch
+
+    if torch.device(runner.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_baseline_ms(runner, reps: int = 5, seed: int = 0) -> float:
+    """The baseline TPOT on this runner (`slo.baseline_tpot_ms: auto`): the median of
+    one decoding step of BASELINE_BATCH sequences holding BASELINE_CONTEXT tokens, the
+    same point `HardwareProfile.baseline_ms` reads off a measured profile. Leaves no
+    sequence behind."""
+    rng = np.random.default_rng(seed)
+    seqs = _Seqs(runner, "__baseline", BASELINE_CONTEXT, rng)
+    try:
+        step = lambda: seqs.forward(BASELINE_BATCH, rng, chain=True, all_logits=True)  # noqa: E731
+        return _median_ms(step, reps)
+    finally:
+        seqs.free()
 
 
 def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
@@ -122,6 +151,7 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
             runner.add_sequence("prefill")
             toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
             runner.forward([SeqInput.chain("prefill", toks)], logits_indices=[p - 1])
+            _sync(runner)
             runner.free("prefill")
 
         m = _median_ms(once, grid.reps)
