@@ -17,15 +17,13 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from _server import free_port, start_up, stop_up
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -39,47 +37,21 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(drafter: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "adaserve.cli", "up", "--all-in-one", "--target", "embedded",
-           "--drafter", drafter, "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server did not become ready")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 async def one_round(port: int, concurrency: int, max_tokens: int) -> tuple[float, int, list[str]]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+
         async def ask(i: int) -> tuple[int, str]:
-            r = await client.post("/v1/chat/completions", json={
-                "model": "SmolLM2-135M-Instruct",
-                "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                "tpot_slo_ms": 1000.0,
-            })
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "SmolLM2-135M-Instruct",
+                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "tpot_slo_ms": 1000.0,
+                },
+            )
             r.raise_for_status()
             body = r.json()
             return body["usage"]["completion_tokens"], body["choices"][0]["message"]["content"]
@@ -97,8 +69,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--drafter", default="embedded")
     p.add_argument("--out", default="out/bench_spec_server")
-    p.add_argument("--config", default="configs/embedded-cpu.yaml",
-                   help="settings YAML for both servers ('' for the defaults)")
+    p.add_argument(
+        "--config",
+        default="configs/embedded-cpu.yaml",
+        help="settings YAML for both servers ('' for the defaults)",
+    )
     args = p.parse_args()
 
     results: dict = {"load_before": os.getloadavg(), "rows": []}
@@ -111,7 +86,8 @@ def main() -> int:
     procs: dict[str, subprocess.Popen] = {}
     try:
         for mode, drafter in modes.items():
-            procs[mode] = start_server(drafter, ports[mode], extra)
+            args_ = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
+            procs[mode] = start_up(args_, ports[mode], Path(args.out) / f"up-{mode}.log")
             asyncio.run(one_round(ports[mode], 1, 8))  # warm-up
         for c in args.concurrency:
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -121,23 +97,37 @@ def main() -> int:
                     rates[mode].append(tokens / elapsed)
                     texts[(mode, c)] = out
             for mode in modes:
-                results["rows"].append({"mode": mode, "concurrency": c,
-                                        "tokens_per_s_median": statistics.median(rates[mode]),
-                                        "tokens_per_s": rates[mode]})
-                print(f"{mode:12s} concurrency {c:3d}: {statistics.median(rates[mode]):7.1f} tok/s "
-                      f"(runs {', '.join(f'{r:.1f}' for r in rates[mode])})", flush=True)
+                results["rows"].append(
+                    {
+                        "mode": mode,
+                        "concurrency": c,
+                        "tokens_per_s_median": statistics.median(rates[mode]),
+                        "tokens_per_s": rates[mode],
+                    }
+                )
+                print(
+                    f"{mode:12s} concurrency {c:3d}: {statistics.median(rates[mode]):7.1f} tok/s "
+                    f"(runs {', '.join(f'{r:.1f}' for r in rates[mode])})",
+                    flush=True,
+                )
     finally:
         for proc in procs.values():
-            stop_server(proc)
+            stop_up(proc)
     print("\nconcurrency  speculative  plain   ratio  identical output")
     for c in args.concurrency:
-        spec = next(r for r in results["rows"] if r["mode"] == "speculative" and r["concurrency"] == c)
+        spec = next(
+            r for r in results["rows"] if r["mode"] == "speculative" and r["concurrency"] == c
+        )
         plain = next(r for r in results["rows"] if r["mode"] == "plain" and r["concurrency"] == c)
         ratio = spec["tokens_per_s_median"] / plain["tokens_per_s_median"]
         same = texts[("speculative", c)] == texts[("plain", c)]
-        results.setdefault("summary", []).append({"concurrency": c, "ratio": ratio, "identical": same})
-        print(f"{c:11d}  {spec['tokens_per_s_median']:11.1f}  {plain['tokens_per_s_median']:6.1f}"
-              f"  {ratio:5.2f}  {same}")
+        results.setdefault("summary", []).append(
+            {"concurrency": c, "ratio": ratio, "identical": same}
+        )
+        print(
+            f"{c:11d}  {spec['tokens_per_s_median']:11.1f}  {plain['tokens_per_s_median']:6.1f}"
+            f"  {ratio:5.2f}  {same}"
+        )
     results["load_after"] = os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

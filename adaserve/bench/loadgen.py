@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from adaserve.bench import PROMPT_VOCAB
 from adaserve.sim.summary import RequestRecord
 from adaserve.sim.workload import SimRequest
 
@@ -29,7 +30,7 @@ class BenchTarget:
     url: str  # base URL, e.g. http://127.0.0.1:8000
     model: str | None = None
     api_key: str | None = None
-    prompt_vocab: tuple[int, int] = (1000, 20000)  # token ids drawn from [lo, hi)
+    prompt_vocab: tuple[int, int] = PROMPT_VOCAB
     timeout_s: float = 600.0
     priority_by_slo: bool = False  # send vLLM `priority` = SLO in us (tight first)
 

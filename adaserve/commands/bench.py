@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from adaserve.bench import PROMPT_VOCAB
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", required=True)
@@ -36,7 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--label", default="server", help="`policy` name in the summary")
     s.add_argument("--priority-by-slo", action="store_true", help="send vLLM priority = SLO")
-    s.add_argument("--prompt-vocab", default="1000,20000", help="prompt token id range lo,hi")
+    s.add_argument(
+        "--prompt-vocab",
+        default=",".join(map(str, PROMPT_VOCAB)),
+        help="prompt token id range lo,hi",
+    )
     s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +26,12 @@ from pathlib import Path
 
 import yaml
 
+from adaserve.bench import PROMPT_VOCAB
+
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _server import start_up, stop_up  # noqa: E402
+
 ADASERVE = [sys.executable, "-m", "adaserve"]
 WORKLOAD = ROOT / "workloads/cpu-embedded.yaml"
 
@@ -54,7 +57,7 @@ def measure(workload: dict, base: Path) -> None:
             "--trace",
             str(trace),
             "--trace-random-prompts",
-            "1000,20000",
+            ",".join(map(str, PROMPT_VOCAB)),
             "--trace-prompt-len",
             "60",
             "--trace-prompts",
@@ -85,21 +88,6 @@ def server_settings(workload_path: Path) -> dict:
     out = settings.model_dump(mode="json", include={"scheduler", "slo"})
     out["engine"] = {"max_running": settings.engine.max_running}
     return out
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"adaserve up exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError("server not ready")
 
 
 def engine_metrics_url(log: Path) -> str | None:
@@ -227,21 +215,13 @@ def calibrate(real: dict, rps: float, duration: float, seed: int, out: Path) -> 
     return (lo + hi) / 2
 
 
-def run_real(up: list[str], rates: list[float], duration: float, args, url: str) -> dict:
+def run_real(up_args: list[str], rates: list[float], duration: float, args) -> dict:
     """Start the server, replay the workload at each rate, stop it."""
-    print("$", " ".join(up), flush=True)
     up_log = args.out / "up.log"
-    server = subprocess.Popen(
-        up,
-        cwd=ROOT,
-        start_new_session=True,
-        stdout=up_log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    server = start_up(up_args, args.port, up_log)
+    url = f"http://127.0.0.1:{args.port}"
     reals: dict[float, dict] = {}
     try:
-        wait_ready(url, server)
         metrics = None
         for _ in range(30):  # `up` prints the endpoints just after the gateway is ready
             if (metrics := engine_metrics_url(up_log)) is not None:
@@ -278,9 +258,7 @@ def run_real(up: list[str], rates: list[float], duration: float, args, url: str)
                 (real_dir / "summary.json").write_text(json.dumps(real, indent=2))
             reals[rps] = real
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-
+        stop_up(server)
     return reals
 
 
@@ -304,24 +282,14 @@ def main() -> int:
     cfg.write_text(yaml.safe_dump(server_settings(WORKLOAD)))
     duration = args.duration or float(workload["duration_s"])
     rates = [float(x) for x in args.rps.split(",")]
-    url = f"http://127.0.0.1:{args.port}"
-    up = [
-        *ADASERVE,
-        "up",
-        "--config",
-        str(cfg),
-        "--port",
-        str(args.port),
-        "--log-dir",
-        str(args.out / "logs"),
-    ]
+    up_args = ["--config", str(cfg), "--log-dir", str(args.out / "logs")]
     if args.all_in_one:
-        up.append("--all-in-one")
+        up_args.append("--all-in-one")
     reals: dict[float, dict] = {}
     if args.reuse_real:
         reals = {r: json.loads((args.out / f"real-rps{r}/summary.json").read_text()) for r in rates}
     else:
-        reals = run_real(up, rates, duration, args, url)
+        reals = run_real(up_args, rates, duration, args)
 
     uncalibrated = {
         str(r): compare(
