@@ -13,29 +13,40 @@ from adaserve.sim.costmodel import Surface, load_profile
 from adaserve.sim.measure import knee_budget
 
 
+def _profile_argv(model: Path, out: Path, tokens: str, contexts: str, *extra: str) -> list[str]:
+    """`adaserve profile` of a model drafting for itself on a small grid, one rep."""
+    return [
+        "profile",
+        "--target",
+        str(model),
+        "--drafter",
+        str(model),
+        "--out",
+        str(out),
+        "--tokens",
+        tokens,
+        "--contexts",
+        contexts,
+        "--reps",
+        "1",
+        *extra,
+    ]
+
+
 def test_profile_and_trace_from_real_runners(tiny_llama_dir: Path, tmp_path: Path):
     out, trace = tmp_path / "cpu.yaml", tmp_path / "acc.jsonl"
     rc = main(
-        [
-            "profile",
-            "--target",
-            str(tiny_llama_dir),
-            "--drafter",
-            str(tiny_llama_dir),
-            "--out",
-            str(out),
-            "--tokens",
+        _profile_argv(
+            tiny_llama_dir,
+            out,
             "1,4,8",
-            "--contexts",
             "0,64",
-            "--reps",
-            "1",
             "--trace",
             str(trace),
             "--trace-steps",
             "3",
             "--quiet",
-        ]
+        )
     )
     assert rc == 0
     p = load_profile(out)
@@ -91,26 +102,17 @@ def test_random_trace_prompts_match_bench_serve_range():
 
 def test_profile_bad_random_range(tiny_llama_dir: Path, tmp_path: Path, capsys):
     rc = main(
-        [
-            "profile",
-            "--target",
-            str(tiny_llama_dir),
-            "--drafter",
-            str(tiny_llama_dir),
-            "--out",
-            str(tmp_path / "p.yaml"),
-            "--tokens",
+        _profile_argv(
+            tiny_llama_dir,
+            tmp_path / "p.yaml",
             "1,2",
-            "--contexts",
             "0",
-            "--reps",
-            "1",
             "--trace",
             str(tmp_path / "t.jsonl"),
             "--trace-random-prompts",
             "5",
             "--quiet",
-        ]
+        )
     )
     assert rc == 2
     assert "LO,HI" in capsys.readouterr().err
