@@ -250,7 +250,8 @@ def throughput_phase(
     f = np.exp(batch.cell_log_f()[batch.cells(best)])
     accepted, budget = worth
     before = accepted + np.cumsum(f) - f  # expected accepted before each node
-    pays = f * (budget + taken + np.arange(k)) > before
+    # float: a budget near the int64 limit (any budget is legal input) must not overflow
+    pays = f * (float(budget) + taken + np.arange(k)) > before
     # f falls and the bar rises along the order, so the nodes that pay are a prefix.
     stop = k if pays.all() else int(np.argmin(pays))
     if stop:

@@ -233,3 +233,16 @@ def test_bad_input_names_the_field(change, field):
     with pytest.raises(SelectionError, match=field):
         select(requests, trees, params)
     assert issubclass(SelectionError, ValueError)
+
+
+def test_budget_at_the_int64_limit_selects_every_node():
+    # the wire carries int64; a budget that large must not overflow the stop rule
+    tree = CandidateTree.build(
+        np.array([1, 2, 3], np.int32),
+        np.array([-1, 0, 1], np.int32),
+        np.array([0.0, -0.1, -0.2], np.float32),
+    )
+    progress = [RequestProgress("a", 50.0, 10.0, 1)]
+    for policy in ("adaserve", "equal", "global", "optimal"):
+        params = SelectionParams(budget=2**63 - 1, depth=2, t_spec_ms=10.0, policy=policy)
+        assert select(progress, [tree], params).selected[0].tolist() == [0, 1, 2]
