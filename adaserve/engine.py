@@ -32,7 +32,7 @@ from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, SelectionParams
-from adaserve.speculate import Drafter, DrafterStateLost, DraftUpdate
+from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
 from adaserve.target import TargetModel, VerifyItem
 from adaserve.tree import CandidateTree
 
@@ -354,7 +354,11 @@ class Engine:
                     for u, r in zip(updates, batch, strict=True)
                 ]
                 trees = self.drafter.speculate(updates, depth, width)
-            check_trees(trees, [r.tokens[-1] for r in batch], self.target.vocab_size)
+            # As with selections: another process's trees are checked, our own beam
+            # search's are not re-validated on the hot path (select() validates the
+            # structure of whatever it is given anyway).
+            if not isinstance(self.drafter, BeamDrafter):
+                check_trees(trees, [r.tokens[-1] for r in batch], self.target.vocab_size)
         except Exception as exc:
             self._drafter_failed(exc)
             return roots
