@@ -116,3 +116,18 @@ def test_profile_bad_random_range(tiny_llama_dir: Path, tmp_path: Path, capsys):
     )
     assert rc == 2
     assert "LO,HI" in capsys.readouterr().err
+
+
+def test_profile_random_range_beyond_the_vocabulary(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    argv = _profile_argv(
+        tiny_llama_dir,
+        tmp_path / "p.yaml",
+        "1",
+        "0",
+        "--trace",
+        str(tmp_path / "t.jsonl"),
+        "--trace-random-prompts",
+        "300,400",
+    )
+    assert main(argv) == 2  # the tiny model has 256 tokens
+    assert "vocabulary" in capsys.readouterr().err

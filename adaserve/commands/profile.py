@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
         drafter = None
         if args.drafter != "none":
             drafter = load_runner(args.drafter, args.device, args.dtype, role="drafter")
+        if random_ids is not None and random_ids[0] >= target.vocab_size:
+            raise ValueError(
+                f"--trace-random-prompts: LO {random_ids[0]} is not below the vocabulary "
+                f"size {target.vocab_size}"
+            )
     except (FileNotFoundError, ValueError) as exc:
         print(f"adaserve profile: {exc}", file=sys.stderr)
         return 2
