@@ -86,8 +86,8 @@ def main() -> int:
     procs: dict[str, subprocess.Popen] = {}
     try:
         for mode, drafter in modes.items():
-            args_ = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
-            procs[mode] = start_up(args_, ports[mode], Path(args.out) / f"up-{mode}.log")
+            up_args = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
+            procs[mode] = start_up(up_args, ports[mode], Path(args.out) / f"up-{mode}.log")
             asyncio.run(one_round(ports[mode], 1, 8))  # warm-up
         for c in args.concurrency:
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
