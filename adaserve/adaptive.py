@@ -27,7 +27,8 @@ from adaserve.config import AdaptiveSettings
 
 
 def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[int, int]:
-    """(depth, width) >= (1, 1) for n active requests and a verifier budget B."""
+    """(depth, width) for n active requests and a verifier budget B: width >= 1, depth
+    >= d_min (depth 0, only with d_min = 0, is plain decoding for this iteration)."""
     if n < 0:
         raise ValueError(f"n: number of active requests must be >= 0, got {n}")
     if budget < 1:
@@ -51,14 +52,17 @@ def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[i
 
 def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
     """The chain depth d that maximizes expected accepted tokens per unit of iteration
-    time, n * sum(alpha^j, j = 0..d) / (B + n * (d + 1) + d * draft_cost_tokens), with
-    the budget's own cost model (B is the knee: a forward of N tree tokens costs about
-    B + N token-units); no cap when draft_cost_tokens is None. At least d_min."""
+    time, n * sum(alpha^j, j = 0..d) / (B + n * (d + 1) + d * (c + c_n * n)), with the
+    budget's own cost model (B is the knee: a forward of N tree tokens costs about
+    B + N token-units; a draft step costs c = draft_cost_tokens plus c_n =
+    draft_cost_tokens_per_request per request); no cap when draft_cost_tokens is None.
+    At least d_min; with d_min = 0, plain decoding (d = 0) is a candidate too."""
     if s.draft_cost_tokens is None:
         return max(s.d_min, s.d_max)  # no cap (d_min wins where it exceeds d_max)
-    d = np.arange(1, max(s.d_min, s.d_max) + 1)
+    d = np.arange(min(s.d_min, 1), max(s.d_min, s.d_max) + 1)
     accepted = (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
-    cost = budget + n * (d + 1) + d * s.draft_cost_tokens
+    step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * n
+    cost = budget + n * (d + 1) + d * step
     return max(s.d_min, int(d[np.argmax(n * accepted / cost)]))
 
 

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -59,7 +67,9 @@ class AdaptiveSettings(BaseModel):
     """Depth/width policy. `eurosys` is paper 001 eq. 8-9; `v1` is paper 000 eq. 8-9."""
 
     policy: Literal["eurosys", "v1", "fixed"] = "eurosys"
-    d_min: PositiveInt = 1
+    # 0 lets the plan switch speculation off where it does not pay (a compute-bound
+    # batch; vLLM's `speculative_disable_by_batch_size`, but from the cost model).
+    d_min: NonNegativeInt = 1
     d_max: PositiveInt = 8
     w_max: PositiveInt = 4
     b1: PositiveInt | None = None  # verifier tokens per step; None -> scheduler.budget
@@ -74,6 +84,9 @@ class AdaptiveSettings(BaseModel):
     # iteration time (adaserve/adaptive.py), so light load stops paying draft steps for
     # tokens that are rarely accepted.
     draft_cost_tokens: PositiveFloat | None = None
+    # ... plus this much per active request: the drafter's per-sequence host work (beam
+    # bookkeeping, KV catch-up) grows with the batch even where its forward does not.
+    draft_cost_tokens_per_request: NonNegativeFloat = 0.0
     acceptance: float = Field(default=0.75, gt=0.0, lt=1.0)  # per drafted token, for the cap
 
 

@@ -537,10 +537,13 @@ class Engine:
             admitted.append(r)
         if not admitted:
             return
+        t0 = self.clock()
         first = self.target.prefill(
             [(r.req.id, r.tokens, r.req.sampling, r.generator) for r in admitted]
         )
         now = self.clock()
+        # Prefill blocks decoding: its time is part of what every running request waits.
+        metrics.iteration_seconds.labels("prefill").observe(now - t0)
         for r, tok in zip(admitted, first, strict=True):
             self._running[r.req.id] = r
             r.best_effort = self._judge_best_effort(r)

@@ -50,7 +50,7 @@ def test_bad_arguments():
 @given(
     n=st.integers(0, 600),
     budget=st.integers(1, 2048),
-    d_min=st.integers(1, 4),
+    d_min=st.integers(0, 4),
     d_max=st.integers(1, 16),
     w_max=st.integers(1, 16),
     c1=st.integers(-3, 8),
@@ -123,3 +123,45 @@ def test_cost_cap_keeps_d_min_and_leaves_fixed_alone():
     assert plan_depth_width(50, 128, s)[0] == 3
     fixed = AdaptiveSettings(policy="fixed", fixed_depth=5, draft_cost_tokens=1000.0)
     assert plan_depth_width(50, 128, fixed) == (5, 1)
+
+
+def test_d_min_zero_switches_speculation_off_where_it_does_not_pay():
+    """d_min 0 makes plain decoding a candidate of the cost cap: the CPU settings keep
+    drafting for one request and stop for a batch whose per-request draft work costs
+    more than the tokens it adds (vLLM's disable-by-batch-size, from the cost model)."""
+    s = AdaptiveSettings(
+        d_min=0,
+        d_max=4,
+        w_max=2,
+        draft_cost_tokens=0.8,
+        draft_cost_tokens_per_request=0.46,
+        acceptance=0.45,
+    )
+
+    def rate(d: int, n: int) -> float:
+        step = 0.8 + 0.46 * n
+        return n * sum(0.45**j for j in range(d + 1)) / (16 + n * (d + 1) + d * step)
+
+    for n in range(1, 17):
+        eq8, _ = plan_depth_width(n, 16, s.model_copy(update={"draft_cost_tokens": None}))
+        assert plan_depth_width(n, 16, s)[0] == min(eq8, max(range(0, 5), key=lambda d: rate(d, n)))
+    assert plan_depth_width(1, 16, s)[0] == 2
+    assert plan_depth_width(8, 16, s)[0] == 0
+    # Without the per-request term the same batch still drafts one step.
+    flat = s.model_copy(update={"draft_cost_tokens_per_request": 0.0})
+    assert plan_depth_width(8, 16, flat)[0] == 1
+    # d_min 1 (the default) never switches off.
+    assert plan_depth_width(8, 16, s.model_copy(update={"d_min": 1}))[0] == 1
+
+
+def test_eurosys_with_d_min_zero_stops_drafting_past_half_the_budget():
+    s = AdaptiveSettings(d_min=0, d_max=8, w_max=4)
+    assert plan_depth_width(8, 16, s)[0] == 1  # floor(16/8) - 1
+    assert plan_depth_width(9, 16, s)[0] == 0  # floor(16/9) - 1: every token is a root
+
+
+def test_negative_settings_are_rejected():
+    with pytest.raises(ValueError):
+        AdaptiveSettings(d_min=-1)
+    with pytest.raises(ValueError):
+        AdaptiveSettings(draft_cost_tokens=1.0, draft_cost_tokens_per_request=-0.1)

@@ -167,6 +167,37 @@ def test_drafter_failures_and_lost_state_keep_output_identical(target_dir):
     assert engine.stats().drafter_healthy  # ... and the engine noticed
 
 
+def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(target_dir):
+    """d_min 0: the plan drafts nothing while the batch is large and resumes once it
+    shrinks; the drafter then catches up on every token committed meanwhile."""
+    adaptive = {
+        "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
+        "draft_cost_tokens": 0.1, "draft_cost_tokens_per_request": 8.0,
+    }
+    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
+    assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
+    sizes: list[int] = []
+    inner = engine.drafter
+
+    class Counting:
+        def speculate(self, updates, depth, width):
+            sizes.append(len(updates))
+            return inner.speculate(updates, depth, width)
+
+        def release(self, ids):
+            inner.release(ids)
+
+    engine.drafter = Counting()
+    lengths = [6, 12, 30]
+    res = run_to_completion(
+        engine, [engine.submit(req(i, PROMPTS[i], lengths[i], 50.0)) for i in range(3)]
+    )
+    for i in range(3):
+        assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], lengths[i])
+    assert sizes and set(sizes) == {1}  # drafted only once the batch was down to one
+    assert engine.stats().iterations < 30  # and the last request then sped up
+
+
 def test_seeded_sampling_is_identical_with_and_without_speculation(target_dir):
     outs = []
     for drafter in (target_dir, None):
@@ -236,6 +267,26 @@ def test_threaded_loop_streams_to_a_reader(target_dir):
         engine.stop()
     assert toks == hf_greedy(target_dir, PROMPTS[2], 12)
     assert np.isfinite(engine.tspec.predict_ms(4))
+
+
+def test_prefill_time_is_an_iteration_phase(target_dir):
+    """Prefill blocks decoding, so its time is exported next to the decode phases (the
+    simulator validation compares it with the profile's prefill table)."""
+    from prometheus_client import REGISTRY
+
+    engine = make_engine(target_dir, None)
+
+    def count_sum() -> tuple[float, float]:
+        get = REGISTRY.get_sample_value
+        return (
+            get("adaserve_iteration_seconds_sum", {"phase": "prefill"}) or 0.0,
+            get("adaserve_iteration_seconds_count", {"phase": "prefill"}) or 0.0,
+        )
+
+    s0, n0 = count_sum()
+    run_to_completion(engine, [engine.submit(req(i, PROMPTS[i], 4, 50.0)) for i in range(2)])
+    s1, n1 = count_sum()
+    assert n1 - n0 >= 1 and s1 > s0
 
 
 def test_spec_metrics_count_emitted_tokens(target_dir):
