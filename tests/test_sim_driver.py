@@ -81,6 +81,13 @@ def test_every_request_finishes_once_and_tokens_add_up(policy):
         if u.drafter is not None:
             assert not u.drafter._len  # every drafter state released
     assert res.summary["requests"] == len(requests)
+    # Tokens per step with a draft (what a live server's spec-decode counters report)
+    # are at least the mean over all steps, and undefined where nothing was drafted.
+    per_draft = res.summary["mean_emitted_per_draft"]
+    if policy == "cb":
+        assert per_draft is None
+    else:
+        assert per_draft >= res.summary["mean_accepted"] >= 1.0
 
 
 @pytest.mark.parametrize(

@@ -243,6 +243,13 @@ def _extras(units, settings, profile, duration_s, seed, wall_s, workload) -> dic
     return {
         "mean_accepted": sum(s.emitted for s in st) / steps if steps else None,
         "mean_accepted_drafts": sum(s.accepted_drafts for s in st) / steps if steps else None,
+        # tokens per step over steps that verified a draft (the live server's
+        # adaserve_spec_decode_num_emitted_tokens_total / _num_drafts_total)
+        "mean_emitted_per_draft": (
+            sum(s.drafted_emitted for s in st) / drafted
+            if (drafted := sum(s.drafted_steps for s in st))
+            else None
+        ),
         "draft_acceptance_rate": (
             sum(s.accepted_drafts for s in st) / max(1, sum(s.drafted_verified for s in st))
         ),

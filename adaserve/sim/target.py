@@ -32,6 +32,10 @@ class TargetStats:
     emitted: int = 0  # tokens emitted by verification (accepted drafts + bonus)
     drafted_verified: int = 0  # non-root nodes sent to verification
     accepted_drafts: int = 0
+    # steps whose tree had drafted nodes, and what they emitted: the engine's
+    # spec-decode counters skip root-only steps, so a live server reports this ratio
+    drafted_steps: int = 0
+    drafted_emitted: int = 0
     verify_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_tokens: int = 0
@@ -106,6 +110,9 @@ class SimTarget:
             self._ctx_total += len(emitted)
             st.emitted += len(emitted)
             st.accepted_drafts += len(path) - 1
+            if len(it.tree) > 1:
+                st.drafted_steps += 1
+                st.drafted_emitted += len(emitted)
         st.iterations += 1
         st.request_steps += len(items)
         st.drafted_verified += tree_tokens - len(items)
