@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -209,6 +210,7 @@ class Engine:
         # cost a timeout per finishing request).
         self._release_backlog: list[str] = []
         self._thread: threading.Thread | None = None
+        self._loop_done: Future | None = None
         self._stop = threading.Event()
 
     # ---- public API (any thread) ---------------------------------------------------
@@ -257,7 +259,12 @@ class Engine:
             speculative=self.drafter is not None,
         )
 
-    def start(self) -> None:
+    def start(self, executor: Executor | None = None) -> None:
+        """Run the loop on a thread of its own, or on `executor` (the services pass the
+        single thread that loaded the models: adaserve/torch_thread.py says why)."""
+        if executor is not None:
+            self._loop_done = executor.submit(self._loop)
+            return
         self._thread = threading.Thread(target=self._loop, name="adaserve-engine", daemon=True)
         self._thread.start()
 
@@ -266,6 +273,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._loop_done is not None:
+            wait([self._loop_done], timeout=30)
 
     # ---- the loop ------------------------------------------------------------------
 

@@ -155,10 +155,12 @@ def test_bad_arguments() -> None:
     assert r.returncode == 2 and "--all-in-one" in r.stderr
 
 
-def test_service_env_sleeps_idle_openmp_threads_unless_told_otherwise() -> None:
+def test_service_env_bounds_openmp_spinning_unless_told_otherwise() -> None:
     from adaserve.commands.up import service_env
 
     env = service_env({"PATH": "/bin"})
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PYTHONUNBUFFERED"] == "1"
-    assert env["PATH"] == "/bin"
-    assert service_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert env["GOMP_SPINCOUNT"] == "30000" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["PATH"] == "/bin" and "OMP_WAIT_POLICY" not in env
+    passive = service_env({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert passive["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in passive
+    assert service_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"

@@ -29,11 +29,17 @@ STOP_TIMEOUT_S = 10.0
 
 
 def service_env(base: os._Environ | dict[str, str]) -> dict[str, str]:
-    """A service's environment. Idle OpenMP threads sleep instead of spinning: on a CPU
-    host the services (and the gateway's streaming) share cores with the model's torch
-    threads, and spinning threads starve them (one request through an all-in-one server
-    on 2 cores: 6.9 tok/s spinning, 12.2 sleeping). A value the user set wins."""
-    return {"OMP_WAIT_POLICY": "PASSIVE", **base, "PYTHONUNBUFFERED": "1"}
+    """A service's environment. Each service does its torch work on one thread
+    (adaserve/torch_thread.py), whose OpenMP workers spin between a forward's ops (a
+    futex wake-up per op costs ~40% on a 2-core host) but not for long after it:
+    libgomp's default spin keeps a core busy for milliseconds after every forward, time
+    the other services need on a shared CPU. GOMP_SPINCOUNT=30000 runs a forward at the
+    default's speed (`BENCHMARKS.md`). A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set
+    wins."""
+    env = {**base, "PYTHONUNBUFFERED": "1"}
+    if "GOMP_SPINCOUNT" not in base and "OMP_WAIT_POLICY" not in base:
+        env["GOMP_SPINCOUNT"] = "30000"
+    return env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.config import load_settings
     from adaserve.model.loader import load_runner
     from adaserve.speculate import BeamDrafter
+    from adaserve.torch_thread import torch_thread
     from services.common import tls
     from services.common.server import run_until_signal
     from services.drafter.server import build_server
@@ -44,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         print("adaserve drafter: no model (pass --model PATH)", file=sys.stderr)
         return 2
+    # Load, warm up and compute on one thread (adaserve/torch_thread.py).
+    worker = torch_thread("drafter")
     try:
-        runner = load_runner(
+        runner = worker.submit(
+            load_runner,
             model,
             device=args.device or ms.device,
             dtype=args.dtype or ms.dtype,
@@ -56,11 +60,13 @@ def run(args: argparse.Namespace) -> int:
             kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
             max_model_len=settings.engine.max_model_len,
             threads=args.threads,
-        )
+        ).result()
+        drafter = worker.submit(BeamDrafter, runner).result()
     except (OSError, ValueError) as exc:  # missing or unsupported model: say so, no traceback
         print(f"adaserve drafter: {exc}", file=sys.stderr)
+        worker.shutdown(wait=False)
         return 2
-    return run_until_signal(lambda: build_server(BeamDrafter(runner), args.host, args.port))
+    return run_until_signal(lambda: build_server(drafter, args.host, args.port, worker=worker))
 
 
 if __name__ == "__main__":

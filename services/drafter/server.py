@@ -35,9 +35,10 @@ class DeadlinePassed(Exception):
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, drafter: BeamDrafter) -> None:
+    def __init__(self, drafter: BeamDrafter, worker: ThreadPoolExecutor | None = None) -> None:
         self.drafter = drafter
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        # The thread that loaded the model, where there is one (adaserve/torch_thread.py).
+        self._worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self._fault_delay_s = faults.delay_s(faults.DRAFTER_DELAY_ENV)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -94,8 +95,15 @@ def _timing(t0: int, t1: int, t2: int, t3: int) -> common_pb2.ServerTiming:
     )
 
 
-def build_server(drafter: BeamDrafter, host: str, port: int, *, grace_s: float = 5.0) -> GrpcServer:
-    servicer = DrafterServicer(drafter)
+def build_server(
+    drafter: BeamDrafter,
+    host: str,
+    port: int,
+    *,
+    grace_s: float = 5.0,
+    worker: ThreadPoolExecutor | None = None,
+) -> GrpcServer:
+    servicer = DrafterServicer(drafter, worker)
     return GrpcServer(
         [
             Service(

@@ -64,19 +64,23 @@ def run(args: argparse.Namespace) -> int:
         load_tokenizer,
         resolve_model,
     )
+    from adaserve.torch_thread import torch_thread
     from gateway import logs
     from services.common import tls
     from services.common.server import run_until_signal
     from services.verifier.server import build_server
 
     logs.configure(args.log_level)
+    # Models are loaded, warmed up and run on this one thread (adaserve/torch_thread.py).
+    worker = torch_thread("adaserve-engine")
     try:
         settings = settings_from_args(args)
         tls.configure(settings.tls)  # before the engine dials the drafter and scheduler
-        engine = build_engine(settings)
+        engine = worker.submit(build_engine, settings).result()
     except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
         # A bad path or config is the user's to fix: say what, without a traceback.
         print(f"adaserve verifier: {exc}", file=sys.stderr)
+        worker.shutdown(wait=False)
         return 1
     if args.metrics_port >= 0:
         from prometheus_client import start_http_server
@@ -87,13 +91,14 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # token-id prompts still work without one
         print(f"verifier: no tokenizer ({exc}); only token-id prompts", file=sys.stderr)
         tokenizer = None
-    engine.start()
+    engine.start(worker)
     try:
         return run_until_signal(
             lambda: build_server(engine, settings, args.host, args.port, tokenizer)
         )
     finally:
         engine.stop()
+        worker.shutdown(wait=False)
 
 
 if __name__ == "__main__":
