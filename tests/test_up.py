@@ -161,6 +161,24 @@ def test_service_env_bounds_openmp_spinning_unless_told_otherwise() -> None:
     env = service_env({"PATH": "/bin"})
     assert env["GOMP_SPINCOUNT"] == "30000" and env["PYTHONUNBUFFERED"] == "1"
     assert env["PATH"] == "/bin" and "OMP_WAIT_POLICY" not in env
+    shared = service_env({"PATH": "/bin"}, shared_cpu=True)
+    assert shared["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in shared
     passive = service_env({"OMP_WAIT_POLICY": "PASSIVE"})
     assert passive["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in passive
     assert service_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
+
+
+def test_plan_sleeps_openmp_threads_only_where_torch_processes_share_the_cpu(tmp_path) -> None:
+    import argparse
+
+    from adaserve.commands.up import add_arguments, plan
+
+    def shared(*argv: str) -> set[bool]:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return {s.shared_cpu for s in plan(p.parse_args(list(argv)), tmp_path)}
+
+    assert shared("--all-in-one") == {False}
+    assert shared("--drafter", "none") == {False}
+    assert shared("--drafter", "embedded") == {True}  # a drafter process beside the verifier
+    assert shared("--drafter", "none", "--verifier-units", "2") == {True}

@@ -28,17 +28,24 @@ from pathlib import Path
 STOP_TIMEOUT_S = 10.0
 
 
-def service_env(base: os._Environ | dict[str, str]) -> dict[str, str]:
-    """A service's environment. Each service does its torch work on one thread
-    (adaserve/torch_thread.py), whose OpenMP workers spin between a forward's ops (a
-    futex wake-up per op costs ~40% on a 2-core host) but not for long after it:
-    libgomp's default spin keeps a core busy for milliseconds after every forward, time
-    the other services need on a shared CPU. GOMP_SPINCOUNT=30000 runs a forward at the
-    default's speed (`BENCHMARKS.md`). A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set
-    wins."""
+def service_env(base: os._Environ | dict[str, str], shared_cpu: bool = False) -> dict[str, str]:
+    """A service's environment, for how its OpenMP threads wait between ops.
+
+    Each service does its torch work on one thread (adaserve/torch_thread.py). Alone on
+    the CPU (all-in-one: one torch process), its workers should spin between a forward's
+    ops, since a futex wake-up per op costs ~40% on a 2-core host; GOMP_SPINCOUNT=30000
+    runs a forward at libgomp's default speed and stops spinning ten times sooner after
+    it. With several torch processes on the same cores (`shared_cpu`: a drafter process
+    beside the verifier, several units, TP ranks) spinning workers steal the cores the
+    process that is computing needs: one request through such a stack on 2 cores ran a
+    verify phase of 240 ms spinning and 122 ms with OMP_WAIT_POLICY=PASSIVE
+    (`BENCHMARKS.md`). A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set wins."""
     env = {**base, "PYTHONUNBUFFERED": "1"}
     if "GOMP_SPINCOUNT" not in base and "OMP_WAIT_POLICY" not in base:
-        env["GOMP_SPINCOUNT"] = "30000"
+        if shared_cpu:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            env["GOMP_SPINCOUNT"] = "30000"
     return env
 
 
@@ -82,6 +89,7 @@ class Service:
     grpc_address: str | None  # checked with gRPC health; None: the gateway (HTTP /ready)
     log_path: Path
     metrics_url: str | None = None  # the service's own Prometheus endpoint, if it has one
+    shared_cpu: bool = False  # several torch processes share this host (service_env)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -91,7 +99,7 @@ class Service:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=service_env(os.environ),
+            env=service_env(os.environ, self.shared_cpu),
             start_new_session=True,  # own process group: TP ranks die with it
         )
         log.close()
@@ -126,10 +134,15 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     services: list[Service] = []
     verifiers: list[str] = []
+    # More than one process running torch on these cores?
+    shared = args.tp > 1 or (
+        not args.all_in_one and (drafter is not None or args.verifier_units > 1)
+    )
 
     def add(name: str, argv: list[str], port: int | None, metrics_url: str | None = None) -> None:
         addr = f"{loop}:{port}" if port is not None else None
-        services.append(Service(name, [*argv, *cfg], addr, log_dir / f"{name}.log", metrics_url))
+        log = log_dir / f"{name}.log"
+        services.append(Service(name, [*argv, *cfg], addr, log, metrics_url, shared))
 
     def add_verifier(name: str, port: int, extra: list[str]) -> None:
         # The engine's metrics (iteration phases, spec decode, fallbacks) live in the
