@@ -182,3 +182,11 @@ def test_plan_sleeps_openmp_threads_only_where_torch_processes_share_the_cpu(tmp
     assert shared("--drafter", "none") == {False}
     assert shared("--drafter", "embedded") == {True}  # a drafter process beside the verifier
     assert shared("--drafter", "none", "--verifier-units", "2") == {True}
+    # With a drafter process, each verifier starts once the drafter has loaded: it
+    # times the hardware at startup.
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    services = plan(p.parse_args(["--drafter", "embedded"]), tmp_path)
+    assert [s.name for s in services if s.settle_first] == ["verifier-0", "gateway"]
+    aio = plan(p.parse_args(["--all-in-one"]), tmp_path)
+    assert [s.name for s in aio if s.settle_first] == ["gateway"]

@@ -90,6 +90,9 @@ class Service:
     log_path: Path
     metrics_url: str | None = None  # the service's own Prometheus endpoint, if it has one
     shared_cpu: bool = False  # several torch processes share this host (service_env)
+    # Start only once the services before it are healthy: a verifier times the hardware
+    # at startup (`slo.baseline_tpot_ms: auto`), which a model loading beside it skews.
+    settle_first: bool = False
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -151,6 +154,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         argv = ["verifier", "--host", loop, "--port", str(port), "--target", args.target]
         argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *extra]
         add(name, argv, port, f"http://{loop}:{m_port}/metrics")
+        services[-1].settle_first = shared
         verifiers.append(f"{loop}:{port}")
 
     if args.all_in_one:
@@ -176,6 +180,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     for v in verifiers:
         gw += ["--verifier", v]
     add("gateway", gw, None)
+    services[-1].settle_first = True  # after the verifiers have timed the hardware
     return services
 
 
@@ -187,12 +192,20 @@ class Launcher:
 
     def start_all(self, timeout_s: float) -> None:
         """Starts every service and waits until all are healthy; raises RuntimeError
-        (with the failing service's log) when one exits or the timeout passes."""
+        (with the failing service's log) when one exits or the timeout passes. A
+        service with `settle_first` starts only once the ones before it are healthy."""
+        deadline = time.monotonic() + timeout_s
+        pending: list[Service] = []
         for svc in self.services:
+            if svc.settle_first:
+                self._wait_healthy(pending, deadline, timeout_s)
             svc.start()
             print(f"  started {svc.name:<12} pid {svc.proc.pid:<7} log {svc.log_path}", flush=True)
-        deadline = time.monotonic() + timeout_s
-        pending = list(self.services)
+            pending.append(svc)
+        self._wait_healthy(pending, deadline, timeout_s)
+
+    def _wait_healthy(self, pending: list[Service], deadline: float, timeout_s: float) -> None:
+        """Until every service in `pending` is healthy (removing each as it gets there)."""
         while pending:
             if self.stopping.is_set():
                 raise KeyboardInterrupt
