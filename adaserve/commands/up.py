@@ -142,10 +142,16 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         not args.all_in_one and (drafter is not None or args.verifier_units > 1)
     )
 
-    def add(name: str, argv: list[str], port: int | None, metrics_url: str | None = None) -> None:
+    def add(
+        name: str,
+        argv: list[str],
+        port: int | None,
+        metrics_url: str | None = None,
+        settle_first: bool = False,
+    ) -> None:
         addr = f"{loop}:{port}" if port is not None else None
         log = log_dir / f"{name}.log"
-        services.append(Service(name, [*argv, *cfg], addr, log, metrics_url, shared))
+        services.append(Service(name, [*argv, *cfg], addr, log, metrics_url, shared, settle_first))
 
     def add_verifier(name: str, port: int, extra: list[str]) -> None:
         # The engine's metrics (iteration phases, spec decode, fallbacks) live in the
@@ -153,8 +159,9 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         m_port = free_port()
         argv = ["verifier", "--host", loop, "--port", str(port), "--target", args.target]
         argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *extra]
-        add(name, argv, port, f"http://{loop}:{m_port}/metrics")
-        services[-1].settle_first = shared
+        # Beside a drafter process, start once it has loaded: the verifier times the
+        # hardware at startup.
+        add(name, argv, port, f"http://{loop}:{m_port}/metrics", settle_first=shared)
         verifiers.append(f"{loop}:{port}")
 
     if args.all_in_one:
@@ -179,8 +186,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     gw = ["gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port)]
     for v in verifiers:
         gw += ["--verifier", v]
-    add("gateway", gw, None)
-    services[-1].settle_first = True  # after the verifiers have timed the hardware
+    add("gateway", gw, None, settle_first=True)  # after the verifiers timed the hardware
     return services
 
 

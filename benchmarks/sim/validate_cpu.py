@@ -49,9 +49,10 @@ def sh(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, **kw)
 
 
-def measure(workload: dict, base: Path) -> None:
-    """Under the environment `adaserve up` gives its services (OpenMP threads that
-    sleep when idle change the cost of a small forward), five repetitions a point."""
+def measure(workload: dict, base: Path, shared_cpu: bool) -> None:
+    """Under the environment `adaserve up` gives the verifier in the layout being
+    validated (how idle OpenMP threads wait changes the cost of a small forward), five
+    repetitions a point."""
     from adaserve.commands.up import service_env
 
     profile = (base / workload["profile"]).resolve()
@@ -83,7 +84,7 @@ def measure(workload: dict, base: Path) -> None:
             "--trace-width",
             "2",
         ],
-        env=service_env(os.environ),
+        env=service_env(os.environ, shared_cpu),
     )
 
 
@@ -97,9 +98,8 @@ def server_settings(workload_path: Path) -> dict:
 
     wl = load_workload(workload_path)
     profile = workload_profile(wl)
-    settings = engine_settings(
-        wl, profile, policy_spec("adaserve", max_running=1)
-    )  # unused by adaserve
+    spec = policy_spec("adaserve", max_running=1)  # max_running: unused by adaserve
+    settings = engine_settings(wl, profile, spec)
     out = settings.model_dump(mode="json", include={"scheduler", "slo"})
     out["engine"] = {"max_running": settings.engine.max_running}
     return out
@@ -342,7 +342,8 @@ def main() -> int:
 
     workload = yaml.safe_load(WORKLOAD.read_text())
     if args.measure:
-        measure(workload, WORKLOAD.parent)
+        # without --all-in-one a drafter process shares the CPU (adaserve up's rule)
+        measure(workload, WORKLOAD.parent, shared_cpu=not args.all_in_one)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = args.out / "server.yaml"
     cfg.write_text(yaml.safe_dump(server_settings(WORKLOAD)))
