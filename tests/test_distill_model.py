@@ -29,13 +29,15 @@ def test_dense_forward_matches_transformers(pair) -> None:
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generation_matches_transformers(pair) -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_generation_matches_transformers(pair, static: bool) -> None:
     """Left padding, the KV cache and positions are right: every row of a ragged batch
-    continues exactly as transformers' greedy generate does for it alone."""
+    continues exactly as transformers' greedy generate does for it alone. `static` is the
+    fixed-shape step a GPU replays from a CUDA graph (here run eagerly)."""
     hf, me = pair
     prompts = [[5, 9, 200, 3], [17], [44, 45, 46, 47, 48, 49, 50]]
     with single_thread():
-        outs = generate_batch(me, prompts, max_new_tokens=6, eos_ids=[255])
+        outs = generate_batch(me, prompts, max_new_tokens=6, eos_ids=[255], static=static)
         for p, o in zip(prompts, outs, strict=True):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=255,
                               pad_token_id=0)[0, len(p):].tolist()
@@ -43,11 +45,12 @@ def test_greedy_generation_matches_transformers(pair) -> None:
             assert len(o.tokens) == 6 or o.tokens[-1] == 255
 
 
-def test_topk_is_the_targets_distribution(pair) -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_topk_is_the_targets_distribution(pair, static: bool) -> None:
     hf, me = pair
     prompt = [3, 1, 4, 1, 5]
     with single_thread():
-        (out,) = generate_batch(me, [prompt], max_new_tokens=3, eos_ids=[255])
+        (out,) = generate_batch(me, [prompt], max_new_tokens=3, eos_ids=[255], static=static)
         seq = torch.tensor([prompt + out.tokens])
         with torch.no_grad():
             logp = torch.log_softmax(hf(seq).logits[0, len(prompt) - 1 : -1], -1)

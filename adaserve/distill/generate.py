@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +52,11 @@ def generate_batch(
     top_p: float = 1.0,
     gen: torch.Generator | None = None,
     topk: int = TOPK,
+    static: bool | None = None,
 ) -> list[Continuation]:
-    """Continuations for one batch of prompts."""
+    """Continuations for one batch of prompts. `static` (default: on CUDA) runs decode
+    steps at fixed shapes, replayed from a CUDA graph on a GPU, where eager decoding of a
+    small model is bound by kernel launches."""
     device = model.embed_tokens.weight.device
     b, plen = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
@@ -81,26 +84,100 @@ def generate_batch(
     out = torch.full((b, max_new_tokens), -1, dtype=torch.long, device=device)
     top_ids = torch.zeros((b, max_new_tokens, topk), dtype=torch.int32, device=device)
     top_logp = torch.zeros((b, max_new_tokens, topk), dtype=torch.float16, device=device)
-    pos = positions[:, -1]
+    head = _Head(model, topk)
+    logits, lp, ix = head(hidden)
+    step_fn = _Step(model, cache, valid, positions[:, -1], head)
+    if static is None:
+        static = device.type == "cuda"
+    if static:
+        step_fn.static()
+        if device.type == "cuda":
+            step_fn = _graphed(step_fn, plen)
     for step in range(max_new_tokens):
-        logits = model.logits(hidden).float()
-        lp, ix = torch.log_softmax(logits, -1).topk(topk, -1)
         top_ids[:, step], top_logp[:, step] = ix.int(), lp.half()
         tok = _sample(logits, temperature, top_p, gen)
         out[:, step] = torch.where(done, -1, tok)
         done |= torch.isin(tok, eos)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        # finished rows emit -1 from here on, so checking only now and then (each check
+        # waits for the GPU) costs a few wasted steps at most
+        if step == max_new_tokens - 1 or (step % 8 == 7 and bool(done.all())):
             break
-        valid[:, plen + step] = True
-        pos = pos + 1
-        m = valid[:, None, None, : plen + step + 1]
-        hidden = model(tok[:, None], pos[:, None], m, cache)[:, -1]
+        logits, lp, ix = step_fn(tok, plen + step)
     rows, top_ids, top_logp = out.cpu().tolist(), top_ids.cpu(), top_logp.cpu()
     result = []
     for r, row in enumerate(rows):
         n = sum(t >= 0 for t in row)  # generated tokens form a prefix of the row
         result.append(Continuation(row[:n], top_ids[r, :n].clone(), top_logp[r, :n].clone()))
     return result
+
+
+class _Head:
+    """hidden [B, hidden] -> fp32 logits, and the top-k labels of their log-softmax."""
+
+    def __init__(self, model: LlamaModel, topk: int) -> None:
+        self.model, self.topk = model, topk
+
+    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.model.logits(hidden).float()
+        lp, ix = torch.log_softmax(logits, -1).topk(self.topk, -1)
+        return logits, lp, ix
+
+
+class _Step:
+    """One decode step: write token `tok` at cache slot `slot`, return the next logits.
+    `static()` switches to fixed shapes (full-length cache and mask, tensor inputs)."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, valid: torch.Tensor, pos: torch.Tensor,
+                 head: _Head) -> None:
+        self.model, self.cache, self.valid, self.head = model, cache, valid, head
+        self.pos = pos.clone()  # position of the last token written, per row
+        self.tok = torch.zeros_like(pos)
+        self.slot_t: torch.Tensor | None = None
+
+    def static(self) -> None:
+        self.slot_t = torch.zeros(1, dtype=torch.long, device=self.pos.device)
+        self.cache.slot = self.slot_t
+
+    def set_inputs(self, tok: torch.Tensor, slot: int) -> None:
+        self.valid[:, slot] = True
+        self.pos += 1
+        self.tok.copy_(tok)
+        if self.slot_t is not None:
+            self.slot_t.fill_(slot)
+
+    def forward(self, slot: int | None = None) -> tuple[torch.Tensor, ...]:
+        if self.slot_t is not None:  # fixed shapes: every slot, unwritten ones masked
+            m = self.valid[:, None, None, :]
+        else:
+            m = self.valid[:, None, None, : slot + 1]
+        return self.head(self.model(self.tok[:, None], self.pos[:, None], m, self.cache)[:, -1])
+
+    def __call__(self, tok: torch.Tensor, slot: int) -> tuple[torch.Tensor, ...]:
+        self.set_inputs(tok, slot)
+        return self.forward(slot)
+
+
+def _graphed(step: _Step, first_slot: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
+    """`step` captured once as a CUDA graph; calls update its inputs in place and replay.
+    The warm-up runs write into the first decode slot, which the first real step rewrites."""
+    assert step.slot_t is not None
+    step.slot_t.fill_(first_slot)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step.forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step.forward()
+
+    def run(tok: torch.Tensor, slot: int) -> tuple[torch.Tensor, ...]:
+        step.set_inputs(tok, slot)
+        graph.replay()
+        return outs
+
+    return run
 
 
 _WORKER: dict = {}

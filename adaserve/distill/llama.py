@@ -76,7 +76,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class KVCache:
-    """Static per-layer K/V [B, kv_heads, max_len, head_dim]; all rows share a write slot."""
+    """Static per-layer K/V [B, kv_heads, max_len, head_dim]; all rows share a write slot.
+
+    With `slot` set (a one-element int64 tensor), a one-token step writes there and
+    attends over the whole cache (the mask hides unwritten slots): every shape is then
+    fixed, so the step can be captured in a CUDA graph and replayed."""
 
     def __init__(
         self, shape: LlamaShape, layers: int, batch: int, max_len: int, device, dtype
@@ -85,10 +89,15 @@ class KVCache:
         self.k = [torch.zeros(size, device=device, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(size, device=device, dtype=dtype) for _ in range(layers)]
         self.start = 0  # slot of the next write
+        self.slot: torch.Tensor | None = None
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.slot is not None:
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]
         end = self.start + k.shape[2]
         self.k[layer][:, :, self.start : end] = k
         self.v[layer][:, :, self.start : end] = v

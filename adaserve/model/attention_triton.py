@@ -161,6 +161,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -199,7 +200,7 @@ if triton is not None:
                 mask=kd_ok,
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             # Prefix keys are visible to every row; the rest go through the mask bits
             # (loaded only for tiles that reach past the prefix).
             visible = row_ok[:, None] & (pos_ok & (pos < prefix))[None, :]
@@ -221,7 +222,7 @@ if triton is not None:
                 mask=kd_ok,
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows only; never stored
@@ -365,8 +366,11 @@ def tree_attention(
         scale * 1.4426950408889634,
         GROUP=group,
         HEAD_DIM=d,
-        BLOCK_D=_next_pow2(d),
+        BLOCK_D=max(16, _next_pow2(d)),  # tl.dot needs K >= 16: tiny heads are padded (masked)
         BLOCK_M=meta.block_m,
         BLOCK_N=BLOCK_N,
+        # fp32 caches mean "exact": tl.dot would otherwise round fp32 inputs to TF32 on
+        # Ampere+ (1e-3 relative error on an H100); half precision takes its own path
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

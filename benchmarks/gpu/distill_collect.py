@@ -1,6 +1,7 @@
 """Bring a GPU `adaserve distill` run back through the device tool's file limits
-(at most 8 files of 16 MiB): each student's weights in <= 15 MiB shards, the draft
-vocabulary and held-out sequences beside the first, and one JSON report.
+(at most 8 files of 16 MiB, 64 MiB in all): each student's weights in <= 15 MiB shards,
+the draft vocabulary beside the first, and one JSON report with every student's config.
+`distill_import.py` turns them back into drafter directories.
 
     python benchmarks/gpu/distill_collect.py OUT_DIR WORK_DIR DEST
 """
@@ -26,10 +27,8 @@ def main(out: Path, work: Path, dest: Path) -> None:
         state = load_file(str(sdir / "model.safetensors"))
         if first:  # small extras ride along with the first student
             state.update({"__d2t": load_file(str(sdir / "draft_vocab.safetensors"))["d2t"]})
-            held = load_file(str(work / "gen_heldout.safetensors"))
-            state.update({f"__heldout_{k}": v for k, v in held.items()})
-            report["drafter_config"] = json.loads((sdir / "config.json").read_text())
             first = False
+        report.setdefault("drafter_configs", {})[sdir.name] = json.loads((sdir / "config.json").read_text())
         shard, size, n = {}, 0, 0
         for k in sorted(state):
             nbytes = state[k].numel() * state[k].element_size()

@@ -1,10 +1,11 @@
-"""Ship a GGUF Llama target to an offline GPU machine in two uploads under 64 MiB each.
+"""Ship a GGUF Llama target to an offline GPU machine in uploads under 64 MiB each.
 
-The device tool carries at most 64 MiB per call and SmolLM2's Q4_1 GGUF is 98 MB, so
-the raw quantized blocks (exact, no requantisation) are split at a layer boundary:
+The device tool carries at most 64 MiB per call, the repo itself included (~26 MB), and
+SmolLM2's Q4_1 GGUF is 98 MB, so the raw quantized blocks (exact, no requantisation)
+are split at layer boundaries; part 1 also holds the embedding and the final norm:
 
-    python benchmarks/gpu/distill_pack.py pack GGUF HF_DIR OUT1 OUT2 --split-layer 10
-    python benchmarks/gpu/distill_pack.py unpack OUT1 OUT2 DEST     # on the GPU machine
+    python benchmarks/gpu/distill_pack.py pack GGUF HF_DIR .gpu/target1 .gpu/target2 .gpu/target3 --split-layers 0,15
+    python benchmarks/gpu/distill_pack.py unpack OUT1 OUT2 OUT3 DEST   # on the GPU machine
 
 `unpack` needs only numpy, torch and safetensors (no gguf, no transformers) and writes
 an HF directory (config.json, tokenizer files, fp32 model.safetensors) identical to
@@ -32,26 +33,29 @@ HF_NAMES = {
 }
 
 
-def pack(gguf_path: Path, hf_dir: Path, out1: Path, out2: Path, split_layer: int) -> None:
+def pack(gguf_path: Path, hf_dir: Path, outs: list[Path], split_layers: list[int]) -> None:
+    """Layer i goes to part k where split_layers[k-1] <= i < split_layers[k]."""
     import gguf
 
+    if len(outs) != len(split_layers) + 1 or split_layers != sorted(split_layers):
+        raise ValueError(f"{len(outs)} parts need {len(outs) - 1} increasing split layers, got {split_layers}")
     reader = gguf.GGUFReader(str(gguf_path))
-    parts: list[dict[str, np.ndarray]] = [{}, {}]
-    meta: list[dict[str, dict]] = [{}, {}]
+    parts: list[dict[str, np.ndarray]] = [{} for _ in outs]
+    meta: list[dict[str, dict]] = [{} for _ in outs]
     for t in reader.tensors:
-        is_layer = t.name.startswith("blk.")
-        first = t.name in ("token_embd.weight", "output_norm.weight")  # part 1 alone is a truncated model
-        part = 0 if first or (is_layer and int(t.name.split(".")[1]) < split_layer) else 1
+        # the first parts alone unpack to a truncated model (smoke runs)
+        part = int(np.searchsorted(split_layers, int(t.name.split(".")[1]), side="right")) \
+            if t.name.startswith("blk.") else 0
         parts[part][t.name] = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
         shape = [int(x) for x in reversed(t.shape)]  # gguf lists the fastest axis first
         meta[part][t.name] = {"type": t.tensor_type.name, "shape": shape}
-    for part, out in enumerate((out1, out2)):
+    for part, out in enumerate(outs):
         out.mkdir(parents=True, exist_ok=True)
         save_file(parts[part], str(out / "raw.safetensors"), metadata={"tensors": json.dumps(meta[part])})
-    shutil.copy(hf_dir / "config.json", out1 / "config.json")
+        shutil.copy(hf_dir / "config.json", out / "config.json")
     for name in SMALL_FILES:
         if (hf_dir / name).is_file():
-            shutil.copy(hf_dir / name, out2 / name)
+            shutil.copy(hf_dir / name, outs[0] / name)  # the layer parts are the big ones
 
 
 def _dequantize(raw: np.ndarray, kind: str, shape: list[int]) -> np.ndarray:
@@ -127,14 +131,13 @@ def main() -> None:
     p = sub.add_parser("pack")
     p.add_argument("gguf", type=Path)
     p.add_argument("hf_dir", type=Path)
-    p.add_argument("out1", type=Path)
-    p.add_argument("out2", type=Path)
-    p.add_argument("--split-layer", type=int, default=10)
+    p.add_argument("outs", type=Path, nargs="+")
+    p.add_argument("--split-layers", default="0,15", help="comma list: the first layer of parts 2, 3, ...")
     u = sub.add_parser("unpack")
     u.add_argument("dirs", type=Path, nargs="+")
     args = ap.parse_args()
     if args.cmd == "pack":
-        pack(args.gguf, args.hf_dir, args.out1, args.out2, args.split_layer)
+        pack(args.gguf, args.hf_dir, args.outs, [int(x) for x in args.split_layers.split(",")])
     else:
         *srcs, dest = args.dirs
         unpack(srcs, dest)
