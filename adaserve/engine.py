@@ -33,6 +33,7 @@ from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, SelectionParams
+from adaserve.slo import required_accepted
 from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
 from adaserve.target import TargetModel, VerifyItem
 from adaserve.tree import CandidateTree
@@ -304,7 +305,15 @@ class Engine:
         t0 = self.clock()
         batch = list(self._running.values())
         depth, width = self._plan(len(batch))
-        trees = self._speculate(batch, depth, width)
+        drafted = batch
+        if depth == 0 and self.drafter is not None:
+            # Drafting for the whole batch does not pay, but SLO comes before throughput:
+            # requests that plain decoding would leave behind their SLO still get trees,
+            # planned as if they were the batch (the drafter's cost scales with them).
+            drafted = self._behind_without_drafts(batch)
+            if drafted:
+                depth, width = self._plan(len(drafted))
+        trees = self._speculate(batch, depth, width, drafted)
         t1 = self.clock()
         selected = self._select(batch, trees, depth)
         t2 = self.clock()
@@ -337,10 +346,30 @@ class Engine:
             return 0, 1
         return self.local_scheduler.plan(n)
 
-    def _speculate(self, batch: list[_Request], depth: int, width: int) -> list[CandidateTree]:
+    def _behind_without_drafts(self, batch: list[_Request]) -> list[_Request]:
+        """Requests that need more than the bonus token this iteration, A(r) > 1, if the
+        iteration is a plain decoding step of the whole batch."""
+        now = self.clock()
+        elapsed = np.array(
+            [(now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0 for r in batch]
+        )
+        decoded = np.array([max(r.num_generated - 1, 0) for r in batch], dtype=np.float64)
+        slo = np.array([r.req.tpot_slo_ms for r in batch])
+        a = required_accepted(elapsed, decoded, slo, self.tspec.predict_ms(len(batch)))
+        return [r for r, need in zip(batch, a > 1.0, strict=True) if need]
+
+    def _speculate(
+        self, batch: list[_Request], depth: int, width: int, drafted: list[_Request]
+    ) -> list[CandidateTree]:
+        """Trees for `batch`: beam-searched for the requests in `drafted`, root-only for
+        the rest (the drafter catches up on their tokens the next time it sees them)."""
         roots = [CandidateTree.root_only(r.tokens[-1]) for r in batch]
-        if self.drafter is None or depth == 0:
+        if self.drafter is None or depth == 0 or not drafted:
             return roots
+        if len(drafted) < len(batch):
+            subset = self._speculate(drafted, depth, width, drafted)
+            by_id = {r.req.id: t for r, t in zip(drafted, subset, strict=True)}
+            return [by_id.get(r.req.id, root) for r, root in zip(batch, roots, strict=True)]
         now = self.clock()
         if not self._drafter_healthy and now < self._drafter_retry_at:
             metrics.fallbacks_total.labels("drafter").inc()

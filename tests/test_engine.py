@@ -7,6 +7,7 @@ drafter failures and lost drafter state.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -196,6 +197,40 @@ def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(targ
         assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], lengths[i])
     assert sizes and set(sizes) == {1}  # drafted only once the batch was down to one
     assert engine.stats().iterations < 30  # and the last request then sped up
+
+
+def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir):
+    """The cost cap plans no drafting for a batch of two, but SLO comes first: the request
+    that plain decoding leaves behind its SLO is still drafted for (planned as a batch of
+    one); the relaxed one decodes plainly. Output stays the target's own."""
+    adaptive = {
+        "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
+        "draft_cost_tokens": 0.1, "draft_cost_tokens_per_request": 8.0,
+    }
+    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
+    assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
+    ticks = itertools.count()
+    engine.clock = lambda: next(ticks) * 0.05  # every clock read 50 ms on: slow iterations
+    drafted: list[list[str]] = []
+    inner = engine.drafter
+
+    class Recording:
+        def speculate(self, updates, depth, width):
+            drafted.append([u.id for u in updates])
+            return inner.speculate(updates, depth, width)
+
+        def release(self, ids):
+            inner.release(ids)
+
+    engine.drafter = Recording()
+    tight, relaxed = req(0, PROMPTS[0], 24, 60.0), req(1, PROMPTS[1], 24, 1e6)
+    res = run_to_completion(engine, [engine.submit(tight), engine.submit(relaxed)])
+    assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 24)
+    assert res["tokens"]["r1"] == hf_greedy(target_dir, PROMPTS[1], 24)
+    # r0 alone while both run; once r0 is done, r1 is a batch of one and is drafted for
+    last_r0 = max(i for i, ids in enumerate(drafted) if ids == ["r0"])
+    assert all(ids == ["r0"] for ids in drafted[: last_r0 + 1])
+    assert all(ids == ["r1"] for ids in drafted[last_r0 + 1 :])
 
 
 def test_seeded_sampling_is_identical_with_and_without_speculation(target_dir):
