@@ -304,16 +304,8 @@ class Engine:
             return
         t0 = self.clock()
         batch = list(self._running.values())
-        depth, width = self._plan(len(batch))
-        drafted = batch
-        if depth == 0 and self.drafter is not None:
-            # Drafting for the whole batch does not pay, but SLO comes before throughput:
-            # requests that plain decoding would leave behind their SLO still get trees,
-            # planned as if they were the batch (the drafter's cost scales with them).
-            drafted = self._behind_without_drafts(batch)
-            if drafted:
-                depth, width = self._plan(len(drafted))
-        trees = self._speculate(batch, depth, width, drafted)
+        drafted, depth, width = self._plan(batch)
+        trees = self._speculate(batch, drafted, depth, width)
         t1 = self.clock()
         selected = self._select(batch, trees, depth)
         t2 = self.clock()
@@ -338,45 +330,62 @@ class Engine:
 
     # ---- iteration phases ----------------------------------------------------------
 
-    def _plan(self, n: int) -> tuple[int, int]:
-        # d and w are a pure function of n and the settings this process already holds:
-        # planning locally saves one of the three round trips of a gRPC iteration (the
-        # scheduler service keeps `Plan` for other clients).
+    def _plan(self, batch: list[_Request]) -> tuple[list[_Request], int, int]:
+        """(requests to draft for, depth, width). d and w are a pure function of n and
+        the settings this process already holds: planning locally saves one of the three
+        round trips of a gRPC iteration (the scheduler service keeps `Plan` for others)."""
         if self.drafter is None:
-            return 0, 1
-        return self.local_scheduler.plan(n)
+            return [], 0, 1
+        depth, width = self.local_scheduler.plan(len(batch))
+        if depth > 0:
+            return batch, depth, width
+        # Drafting for the whole batch does not pay, but SLO comes before throughput:
+        # requests that plain decoding would leave behind their SLO still get trees,
+        # planned as if they were the batch (the drafter's cost scales with them).
+        behind = self._behind_without_drafts(batch)
+        if not behind:
+            return [], 0, width
+        return behind, *self.local_scheduler.plan(len(behind))
 
     def _behind_without_drafts(self, batch: list[_Request]) -> list[_Request]:
         """Requests that need more than the bonus token this iteration, A(r) > 1, if the
         iteration is a plain decoding step of the whole batch."""
-        now = self.clock()
-        elapsed = np.array(
-            [(now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0 for r in batch]
+        progress = self._progress(batch)
+        a = required_accepted(
+            np.array([p.elapsed_ms for p in progress]),
+            np.array([p.decoded for p in progress], dtype=np.float64),
+            np.array([p.tpot_slo_ms for p in progress]),
+            self.tspec.predict_ms(len(batch)),
         )
-        decoded = np.array([max(r.num_generated - 1, 0) for r in batch], dtype=np.float64)
-        slo = np.array([r.req.tpot_slo_ms for r in batch])
-        a = required_accepted(elapsed, decoded, slo, self.tspec.predict_ms(len(batch)))
         return [r for r, need in zip(batch, a > 1.0, strict=True) if need]
 
+    def _progress(self, batch: list[_Request]) -> list[RequestProgress]:
+        now = self.clock()
+        return [
+            RequestProgress(
+                id=r.req.id,
+                tpot_slo_ms=r.req.tpot_slo_ms,
+                elapsed_ms=(now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0,
+                decoded=max(r.num_generated - 1, 0),
+            )
+            for r in batch
+        ]
+
     def _speculate(
-        self, batch: list[_Request], depth: int, width: int, drafted: list[_Request]
+        self, batch: list[_Request], drafted: list[_Request], depth: int, width: int
     ) -> list[CandidateTree]:
         """Trees for `batch`: beam-searched for the requests in `drafted`, root-only for
         the rest (the drafter catches up on their tokens the next time it sees them)."""
         roots = [CandidateTree.root_only(r.tokens[-1]) for r in batch]
-        if self.drafter is None or depth == 0 or not drafted:
+        if not drafted or depth == 0:
             return roots
-        if len(drafted) < len(batch):
-            subset = self._speculate(drafted, depth, width, drafted)
-            by_id = {r.req.id: t for r, t in zip(drafted, subset, strict=True)}
-            return [by_id.get(r.req.id, root) for r, root in zip(batch, roots, strict=True)]
         now = self.clock()
         if not self._drafter_healthy and now < self._drafter_retry_at:
             metrics.fallbacks_total.labels("drafter").inc()
             return roots
         updates = [
             DraftUpdate(r.req.id, np.asarray(r.tokens[r.drafter_len :], np.int32), len(r.tokens))
-            for r in batch
+            for r in drafted
         ]
         try:
             try:
@@ -389,39 +398,33 @@ class Engine:
                     DraftUpdate(u.id, np.asarray(r.tokens, np.int32), len(r.tokens))
                     if u.id in ids
                     else u
-                    for u, r in zip(updates, batch, strict=True)
+                    for u, r in zip(updates, drafted, strict=True)
                 ]
                 trees = self.drafter.speculate(updates, depth, width)
             # As with selections: another process's trees are checked, our own beam
             # search's are not re-validated on the hot path (select() validates the
             # structure of whatever it is given anyway).
             if not isinstance(self.drafter, BeamDrafter):
-                check_trees(trees, [r.tokens[-1] for r in batch], self.target.vocab_size)
+                check_trees(trees, [r.tokens[-1] for r in drafted], self.target.vocab_size)
         except Exception as exc:
             self._drafter_failed(exc)
             return roots
-        for r in batch:
+        for r in drafted:
             r.drafter_len = len(r.tokens)
         if not self._drafter_healthy:
             log.info("drafter recovered; speculation resumes")
             self._drafter_healthy = True
-        return trees
+        if len(drafted) == len(batch):
+            return trees
+        by_id = {r.req.id: t for r, t in zip(drafted, trees, strict=True)}
+        return [by_id.get(r.req.id, root) for r, root in zip(batch, roots, strict=True)]
 
     def _select(
         self, batch: list[_Request], trees: list[CandidateTree], depth: int
     ) -> list[CandidateTree]:
         if all(len(t) == 1 for t in trees):
             return trees
-        now = self.clock()
-        progress = [
-            RequestProgress(
-                id=r.req.id,
-                tpot_slo_ms=r.req.tpot_slo_ms,
-                elapsed_ms=(now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0,
-                decoded=max(r.num_generated - 1, 0),
-            )
-            for r in batch
-        ]
+        progress = self._progress(batch)
         sched = self.settings.scheduler
         budget = max(sched.budget, len(batch))  # every root must fit
         params = SelectionParams(

@@ -84,15 +84,12 @@ def generate_batch(
     out = torch.full((b, max_new_tokens), -1, dtype=torch.long, device=device)
     top_ids = torch.zeros((b, max_new_tokens, topk), dtype=torch.int32, device=device)
     top_logp = torch.zeros((b, max_new_tokens, topk), dtype=torch.float16, device=device)
-    head = _Head(model, topk)
-    logits, lp, ix = head(hidden)
-    step_fn = _Step(model, cache, valid, positions[:, -1], head)
+    logits, lp, ix = _labels(model, hidden, topk)
     if static is None:
         static = device.type == "cuda"
-    if static:
-        step_fn.static()
-        if device.type == "cuda":
-            step_fn = _graphed(step_fn, plen)
+    step_fn = _Step(model, cache, valid, positions[:, -1], topk, static)
+    if static and device.type == "cuda":
+        step_fn = _graphed(step_fn, plen)
     for step in range(max_new_tokens):
         top_ids[:, step], top_logp[:, step] = ix.int(), lp.half()
         tok = _sample(logits, temperature, top_p, gen)
@@ -111,46 +108,40 @@ def generate_batch(
     return result
 
 
-class _Head:
+def _labels(model: LlamaModel, hidden: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
     """hidden [B, hidden] -> fp32 logits, and the top-k labels of their log-softmax."""
-
-    def __init__(self, model: LlamaModel, topk: int) -> None:
-        self.model, self.topk = model, topk
-
-    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits = self.model.logits(hidden).float()
-        lp, ix = torch.log_softmax(logits, -1).topk(self.topk, -1)
-        return logits, lp, ix
+    logits = model.logits(hidden).float()
+    lp, ix = torch.log_softmax(logits, -1).topk(topk, -1)
+    return logits, lp, ix
 
 
 class _Step:
-    """One decode step: write token `tok` at cache slot `slot`, return the next logits.
-    `static()` switches to fixed shapes (full-length cache and mask, tensor inputs)."""
+    """One decode step: write token `tok` at cache slot `slot`, return the next labels.
+    `static` runs it at fixed shapes: the cache writes at the tensor `cache.slot` and
+    attention spans the whole cache (unwritten slots masked), so it can be graphed."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, valid: torch.Tensor, pos: torch.Tensor,
-                 head: _Head) -> None:
-        self.model, self.cache, self.valid, self.head = model, cache, valid, head
+                 topk: int, static: bool) -> None:
+        self.model, self.cache, self.valid, self.topk = model, cache, valid, topk
         self.pos = pos.clone()  # position of the last token written, per row
         self.tok = torch.zeros_like(pos)
-        self.slot_t: torch.Tensor | None = None
-
-    def static(self) -> None:
-        self.slot_t = torch.zeros(1, dtype=torch.long, device=self.pos.device)
-        self.cache.slot = self.slot_t
+        if static:
+            cache.slot = torch.zeros(1, dtype=torch.long, device=pos.device)
 
     def set_inputs(self, tok: torch.Tensor, slot: int) -> None:
         self.valid[:, slot] = True
         self.pos += 1
         self.tok.copy_(tok)
-        if self.slot_t is not None:
-            self.slot_t.fill_(slot)
+        if self.cache.slot is not None:
+            self.cache.slot.fill_(slot)
 
     def forward(self, slot: int | None = None) -> tuple[torch.Tensor, ...]:
-        if self.slot_t is not None:  # fixed shapes: every slot, unwritten ones masked
+        if self.cache.slot is not None:
             m = self.valid[:, None, None, :]
         else:
             m = self.valid[:, None, None, : slot + 1]
-        return self.head(self.model(self.tok[:, None], self.pos[:, None], m, self.cache)[:, -1])
+        hidden = self.model(self.tok[:, None], self.pos[:, None], m, self.cache)[:, -1]
+        return _labels(self.model, hidden, self.topk)
 
     def __call__(self, tok: torch.Tensor, slot: int) -> tuple[torch.Tensor, ...]:
         self.set_inputs(tok, slot)
@@ -160,8 +151,8 @@ class _Step:
 def _graphed(step: _Step, first_slot: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
     """`step` captured once as a CUDA graph; calls update its inputs in place and replay.
     The warm-up runs write into the first decode slot, which the first real step rewrites."""
-    assert step.slot_t is not None
-    step.slot_t.fill_(first_slot)
+    assert step.cache.slot is not None, "only a static step has fixed shapes"
+    step.cache.slot.fill_(first_slot)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -21,6 +21,7 @@ import grpc
 from adaserve.model.kv_cache import KVCacheFull
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from adaserve.speculate import BeamDrafter, DrafterStateLost, DraftUpdate
+from adaserve.torch_thread import torch_thread
 from adaserve.tree import CandidateTree
 from services.common import faults
 from services.common.convert import speculate_request_from_pb, trees_to_pb
@@ -38,7 +39,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: BeamDrafter, worker: ThreadPoolExecutor | None = None) -> None:
         self.drafter = drafter
         # The thread that loaded the model, where there is one (adaserve/torch_thread.py).
-        self._worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self._worker = worker or torch_thread("drafter")
         self._fault_delay_s = faults.delay_s(faults.DRAFTER_DELAY_ENV)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
