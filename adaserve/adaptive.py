@@ -14,6 +14,11 @@ chain depth that maximizes expected accepted tokens per unit of iteration time u
 budget's cost model. Eq. 8 alone (D_max 6 at light load) buys draft steps of ~5 ms each
 for about one extra accepted token over four steps (benchmarks/sim/RESULTS.md).
 
+Where no depth pays for the whole batch, `slack_plan` still drafts for its tightest-SLO
+requests, at the depth that makes them fastest while the iteration it stretches keeps
+every other request within `slack_margin` of its own SLO: their slack pays for the tight
+requests' speed, which is the product (a batch of equal SLOs gets no such plan).
+
 With no active requests there is nothing to speculate for; every policy then answers
 as it would for a single request, so the first request of an idle server is planned
 for the lightest load.
@@ -24,6 +29,10 @@ from __future__ import annotations
 import numpy as np
 
 from adaserve.config import AdaptiveSettings
+
+# SLOs within this factor of the tightest in the batch count as one (the tight) level:
+# per-request SLOs need not come from a handful of classes.
+TIGHT_LEVEL = 1.1
 
 
 def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[int, int]:
@@ -64,6 +73,37 @@ def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
     step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * n
     cost = budget + n * (d + 1) + d * step
     return max(s.d_min, int(d[np.argmax(n * accepted / cost)]))
+
+
+def slack_plan(
+    slo_ms: np.ndarray, t_plain_ms: float, budget: int, s: AdaptiveSettings
+) -> tuple[np.ndarray, int]:
+    """(mask of requests to draft for, depth) for a batch whose plan is plain decoding.
+
+    The tight requests are those within `TIGHT_LEVEL` of the batch's smallest SLO.
+    Drafting k of them d steps deep stretches the iteration of a batch of n to about
+    t_plain * (B + n + k d + d (c + c_n k)) / (B + n) under cost_depth's cost model, and
+    each emits sum(alpha^j, j = 0..d) tokens for it. The depth is the one that makes the
+    tight requests fastest, among those that keep the stretched iteration within
+    slack_margin of every other request's SLO and that beat plain decoding for the tight
+    ones; depth 0 (no plan) where none does, the batch has one SLO level, or the
+    settings have no cost model or no margin."""
+    n = len(slo_ms)
+    none = np.zeros(n, dtype=bool), 0
+    if s.slack_margin is None or s.draft_cost_tokens is None or n < 2:
+        return none
+    tight = slo_ms <= TIGHT_LEVEL * slo_ms.min()
+    if tight.all():
+        return none
+    k = int(tight.sum())
+    d = np.arange(1, max(s.d_max, 1) + 1)
+    step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * k
+    stretch = (budget + n + k * d + d * step) / (budget + n)
+    tight_tpot = stretch / ((1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance))
+    ok = (t_plain_ms * stretch <= s.slack_margin * slo_ms[~tight].min()) & (tight_tpot < 1.0)
+    if not ok.any():
+        return none
+    return tight, int(d[ok][np.argmin(tight_tpot[ok])])
 
 
 def _clip(x: int, lo: int, hi: int) -> int:

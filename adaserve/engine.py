@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaserve import metrics
+from adaserve.adaptive import slack_plan
 from adaserve.checks import check_selection, check_trees
 from adaserve.config import Settings
 from adaserve.detokenize import IncrementalDetokenizer
@@ -339,25 +340,35 @@ class Engine:
         depth, width = self.local_scheduler.plan(len(batch))
         if depth > 0:
             return batch, depth, width
-        # Drafting for the whole batch does not pay, but SLO comes before throughput:
-        # requests that plain decoding would leave behind their SLO still get trees,
-        # planned as if they were the batch (the drafter's cost scales with them).
-        behind = self._behind_without_drafts(batch)
-        if not behind:
+        # Drafting for the whole batch does not pay, but SLO comes before throughput.
+        # Requests that plain decoding would leave behind their SLO still get trees, and
+        # so do the tightest-SLO requests where the others' slack pays for the longer
+        # iteration (adaptive.slack_plan).
+        t_plain = self.tspec.predict_ms(len(batch))
+        behind = self._behind_without_drafts(batch, t_plain)
+        tight, slack_depth = slack_plan(
+            np.array([r.req.tpot_slo_ms for r in batch]),
+            t_plain,
+            self.settings.scheduler.budget,
+            self.settings.scheduler.adaptive,
+        )
+        drafted = [r for r, b, t in zip(batch, behind, tight, strict=True) if b or t]
+        if not drafted:
             return [], 0, width
-        return behind, *self.local_scheduler.plan(len(behind))
+        depth, width = self.local_scheduler.plan(len(drafted))
+        return drafted, slack_depth or depth, width
 
-    def _behind_without_drafts(self, batch: list[_Request]) -> list[_Request]:
-        """Requests that need more than the bonus token this iteration, A(r) > 1, if the
-        iteration is a plain decoding step of the whole batch."""
+    def _behind_without_drafts(self, batch: list[_Request], t_plain_ms: float) -> np.ndarray:
+        """Which requests need more than the bonus token this iteration, A(r) > 1, if
+        the iteration is a plain decoding step of the whole batch."""
         progress = self._progress(batch)
         a = required_accepted(
             np.array([p.elapsed_ms for p in progress]),
             np.array([p.decoded for p in progress], dtype=np.float64),
             np.array([p.tpot_slo_ms for p in progress]),
-            self.tspec.predict_ms(len(batch)),
+            t_plain_ms,
         )
-        return [r for r, need in zip(batch, a > 1.0, strict=True) if need]
+        return a > 1.0
 
     def _progress(self, batch: list[_Request]) -> list[RequestProgress]:
         now = self.clock()

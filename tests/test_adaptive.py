@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaserve.adaptive import plan_depth_width
+from adaserve.adaptive import TIGHT_LEVEL, plan_depth_width, slack_plan
 from adaserve.config import AdaptiveSettings, SchedulerSettings
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import SelectionParams, select
@@ -160,8 +161,55 @@ def test_eurosys_with_d_min_zero_stops_drafting_past_half_the_budget():
     assert plan_depth_width(9, 16, s)[0] == 0  # floor(16/9) - 1: every token is a root
 
 
+CPU = AdaptiveSettings(
+    d_min=0, d_max=4, w_max=2, draft_cost_tokens=1.3, draft_cost_tokens_per_request=2.2,
+    acceptance=0.6,
+)
+
+
+def test_slack_plan_drafts_the_tight_level_at_the_fastest_depth_the_slack_pays_for():
+    """Two coding requests (1.2x a 200 ms baseline) among four chat ones (2x): plain
+    decoding is the cost cap's plan for six, but the chat requests' slack buys the
+    coding ones a tree; the depth is the one with the lowest tight TPOT that keeps the
+    stretched iteration within the margin of the chat SLO."""
+    slo = np.array([240.0, 400.0, 240.0, 400.0, 400.0, 400.0])
+    assert plan_depth_width(6, 16, CPU)[0] == 0
+    tight, depth = slack_plan(slo, 180.0, 16, CPU)
+    assert tight.tolist() == [True, False, True, False, False, False]
+
+    def tpots(d: int) -> tuple[float, float]:  # (drafted, undrafted) relative to plain
+        stretch = (16 + 6 + 2 * d + d * (1.3 + 2.2 * 2)) / (16 + 6)
+        return stretch / sum(0.6**j for j in range(d + 1)), stretch
+
+    ok = [d for d in range(1, 5) if tpots(d)[0] < 1 and 180 * tpots(d)[1] <= 0.8 * 400]
+    assert ok and depth == min(ok, key=lambda d: tpots(d)[0])
+    # The relaxed requests pay: a slower iteration, still within the margin of their SLO.
+    assert 180.0 * tpots(depth)[1] <= 0.8 * 400.0 and tpots(depth)[0] < 1.0 < tpots(depth)[1]
+
+
+def test_slack_plan_needs_slack_two_slo_levels_and_a_cost_model():
+    mixed = np.array([240.0, 400.0, 400.0, 400.0])
+    assert slack_plan(mixed, 180.0, 16, CPU)[1] > 0
+    # One SLO level (within TIGHT_LEVEL of the tightest): nobody pays for anybody.
+    same = np.array([240.0, 240.0 * TIGHT_LEVEL, 240.0, 240.0])
+    assert slack_plan(same, 180.0, 16, CPU)[1] == 0
+    # The stretched iteration would take the relaxed requests past the margin.
+    assert slack_plan(mixed, 300.0, 16, CPU)[1] == 0
+    # Switched off, or no cost model to plan with, or a batch of one.
+    assert slack_plan(mixed, 180.0, 16, CPU.model_copy(update={"slack_margin": None}))[1] == 0
+    assert slack_plan(mixed, 180.0, 16, CPU.model_copy(update={"draft_cost_tokens": None}))[1] == 0
+    assert slack_plan(mixed[:1], 180.0, 16, CPU)[1] == 0
+    # A drafter too dear for any depth to beat plain decoding for the tight request.
+    dear = CPU.model_copy(update={"draft_cost_tokens": 40.0})
+    assert slack_plan(mixed, 10.0, 16, dear)[1] == 0
+    tight, _ = slack_plan(mixed, 180.0, 16, CPU)
+    assert tight.tolist() == [True, False, False, False]
+
+
 def test_negative_settings_are_rejected():
     with pytest.raises(ValueError):
         AdaptiveSettings(d_min=-1)
     with pytest.raises(ValueError):
         AdaptiveSettings(draft_cost_tokens=1.0, draft_cost_tokens_per_request=-0.1)
+    with pytest.raises(ValueError):
+        AdaptiveSettings(slack_margin=1.5)

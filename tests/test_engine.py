@@ -199,18 +199,15 @@ def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(targ
     assert engine.stats().iterations < 30  # and the last request then sped up
 
 
-def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir):
-    """The cost cap plans no drafting for a batch of two, but SLO comes first: the request
-    that plain decoding leaves behind its SLO is still drafted for (planned as a batch of
-    one); the relaxed one decodes plainly. Output stays the target's own."""
-    adaptive = {
-        "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
-        "draft_cost_tokens": 0.1, "draft_cost_tokens_per_request": 8.0,
-    }
-    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
-    assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
-    ticks = itertools.count()
-    engine.clock = lambda: next(ticks) * 0.05  # every clock read 50 ms on: slow iterations
+# Plain decoding for any batch of two or more, a depth of a few for one.
+CAPPED = {
+    "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
+    "draft_cost_tokens": 0.1, "draft_cost_tokens_per_request": 8.0,
+}
+
+
+def record_drafts(engine: Engine) -> list[list[str]]:
+    """Wraps the engine's drafter; returns the list of the ids each speculate call got."""
     drafted: list[list[str]] = []
     inner = engine.drafter
 
@@ -223,6 +220,19 @@ def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir)
             inner.release(ids)
 
     engine.drafter = Recording()
+    return drafted
+
+
+def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir):
+    """The cost cap plans no drafting for a batch of two, but SLO comes first: the request
+    that plain decoding leaves behind its SLO is still drafted for (planned as a batch of
+    one); the relaxed one decodes plainly. Output stays the target's own."""
+    adaptive = {**CAPPED, "slack_margin": None}  # the behind-SLO rule alone
+    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
+    assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
+    ticks = itertools.count()
+    engine.clock = lambda: next(ticks) * 0.05  # every clock read 50 ms on: slow iterations
+    drafted = record_drafts(engine)
     tight, relaxed = req(0, PROMPTS[0], 24, 60.0), req(1, PROMPTS[1], 24, 1e6)
     res = run_to_completion(engine, [engine.submit(tight), engine.submit(relaxed)])
     assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 24)
@@ -231,6 +241,27 @@ def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir)
     last_r0 = max(i for i, ids in enumerate(drafted) if ids == ["r0"])
     assert all(ids == ["r0"] for ids in drafted[: last_r0 + 1])
     assert all(ids == ["r1"] for ids in drafted[last_r0 + 1 :])
+
+
+@pytest.mark.parametrize("margin", [0.8, None])
+def test_the_relaxed_requests_slack_buys_the_tight_one_a_tree(target_dir, margin):
+    """Nobody is behind (SLOs of seconds on a fast model), and the cost cap plans plain
+    decoding for the batch of three; with a slack margin the tightest request alone is
+    drafted for while the relaxed ones run, without one nobody is. Output stays the
+    target's own either way."""
+    engine = make_engine(
+        target_dir, target_dir, scheduler={"adaptive": {**CAPPED, "slack_margin": margin}}
+    )
+    drafted = record_drafts(engine)
+    reqs = [req(0, PROMPTS[0], 20, 1e4), req(1, PROMPTS[1], 40, 1e5), req(2, PROMPTS[2], 40, 1e5)]
+    res = run_to_completion(engine, [engine.submit(r) for r in reqs])
+    for i, r in enumerate(reqs):
+        assert res["tokens"][r.id] == hf_greedy(target_dir, PROMPTS[i], r.sampling.max_tokens)
+    while_r0 = [ids for ids in drafted if "r0" in ids]
+    if margin is None:
+        assert drafted == []  # nor for r1, r2: a batch of two, one SLO level
+    else:
+        assert while_r0 and all(ids == ["r0"] for ids in drafted)
 
 
 def test_seeded_sampling_is_identical_with_and_without_speculation(target_dir):
