@@ -77,10 +77,12 @@ class BeamDrafter:
         self.runner = runner
         if draft_to_target is None:
             draft_to_target = getattr(runner, "draft_to_target", None)
+        # torch.as_tensor, not np.asarray: the loader's map already lives on the runner's
+        # device, and a CUDA tensor has no numpy view.
         self._d2t = (
             None
             if draft_to_target is None
-            else torch.as_tensor(np.asarray(draft_to_target), dtype=torch.int64).to(runner.device)
+            else torch.as_tensor(draft_to_target, dtype=torch.int64).to(runner.device)
         )
         self._pending: dict[str, np.ndarray] = {}  # int32: known, not yet in the draft KV
         self._last_rows = _last_rows_kwarg(runner)

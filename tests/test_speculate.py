@@ -243,6 +243,16 @@ def test_draft_vocabulary_maps_back_to_target_ids(tiny_llama_dir, hf_model):
     assert t2.tokens.tolist() == t.tokens.tolist()
 
 
+def test_a_vocabulary_map_on_the_runners_device_is_taken_as_is(tiny_llama_dir):
+    """The loader leaves a distilled drafter's map on the runner's device. A tensor off
+    the CPU (here `meta`, on a GPU `cuda`) has no numpy view: the drafter must not ask
+    for one (it crashed on the H100 once)."""
+    runner = _ReducedHead(_runner(tiny_llama_dir), np.arange(40))
+    runner.device = torch.device("meta")
+    runner.draft_to_target = torch.arange(40, device="meta")
+    assert BeamDrafter(runner)._d2t.device.type == "meta"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_drafter_and_verifier_match_cpu(tiny_llama_dir):

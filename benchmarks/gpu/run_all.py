@@ -357,30 +357,36 @@ def divergence_gap(runner: ModelRunner, prompts, a_out, b_out) -> str:
 
 
 def make_engine(
-    target: ModelRunner, drafter: ModelRunner | None, depth: int, width: int, budget: int
+    target: ModelRunner,
+    drafter: ModelRunner | None,
+    depth: int,
+    width: int,
+    budget: int,
+    adaptive: dict[str, Any] | None = None,
+    eos_token_ids: tuple[int, ...] = (),
 ):
+    """`adaptive` (scheduler.adaptive settings) replaces the fixed (depth, width) plan."""
     from adaserve.config import load_settings
     from adaserve.engine import Engine
     from adaserve.scheduler import LocalScheduler
     from adaserve.speculate import BeamDrafter
     from adaserve.target import RunnerTarget
 
+    if adaptive is None:
+        adaptive = {
+            "policy": "fixed",
+            "fixed_depth": depth,
+            "fixed_width": width,
+            "d_max": depth,
+            "w_max": width,
+        }
     settings = load_settings(
         None,
         engine={"speculation": drafter is not None, "max_running": 64, "max_queue": 256},
-        scheduler={
-            "budget": budget,
-            "adaptive": {
-                "policy": "fixed",
-                "fixed_depth": depth,
-                "fixed_width": width,
-                "d_max": depth,
-                "w_max": width,
-            },
-        },
+        scheduler={"budget": budget, "adaptive": adaptive},
     )
     return Engine(
-        target=RunnerTarget(target, eos_token_ids=()),
+        target=RunnerTarget(target, eos_token_ids=eos_token_ids),
         drafter=BeamDrafter(drafter) if drafter is not None else None,
         scheduler=LocalScheduler(settings.scheduler),
         settings=settings,
@@ -408,12 +414,16 @@ def engine_generate(
     width: int = 2,
     budget: int = 64,
     slo_ms: float = 1000.0,
+    adaptive: dict[str, Any] | None = None,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """All prompts submitted at once, the engine stepped until every one finished."""
+    """All prompts submitted at once, the engine stepped until every one finished.
+    Without `eos_token_ids` every request runs to max_tokens (random weights have no
+    meaningful end of text)."""
     from adaserve.request import GenerationRequest, SamplingParams
 
-    engine = make_engine(target, drafter, depth, width, budget)
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = make_engine(target, drafter, depth, width, budget, adaptive, eos_token_ids)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not eos_token_ids)
     before = phase_sums()
     sync()
     t0 = time.perf_counter()
