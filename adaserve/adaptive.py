@@ -69,10 +69,23 @@ def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
     if s.draft_cost_tokens is None:
         return max(s.d_min, s.d_max)  # no cap (d_min wins where it exceeds d_max)
     d = np.arange(min(s.d_min, 1), max(s.d_min, s.d_max) + 1)
-    accepted = (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
-    step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * n
-    cost = budget + n * (d + 1) + d * step
-    return max(s.d_min, int(d[np.argmax(n * accepted / cost)]))
+    rate = n * _chain_tokens(d, s) / _iteration_cost(budget, n, n, d, s)
+    return max(s.d_min, int(d[np.argmax(rate)]))
+
+
+def _chain_tokens(d: np.ndarray, s: AdaptiveSettings) -> np.ndarray:
+    """Expected tokens a depth-d chain emits per verification, bonus token included:
+    sum(alpha^j, j = 0..d)."""
+    return (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
+
+
+def _iteration_cost(
+    budget: int, n: int, k: int, d: np.ndarray, s: AdaptiveSettings
+) -> np.ndarray:
+    """Token-units of an iteration of n requests, k of them drafted for d steps: the
+    verify forward (B + n roots + k d tree tokens) plus d draft steps of c + c_n k each.
+    Needs s.draft_cost_tokens."""
+    return budget + n + k * d + d * (s.draft_cost_tokens + s.draft_cost_tokens_per_request * k)
 
 
 def slack_plan(
@@ -95,11 +108,9 @@ def slack_plan(
     tight = slo_ms <= TIGHT_LEVEL * slo_ms.min()
     if tight.all():
         return none
-    k = int(tight.sum())
     d = np.arange(1, max(s.d_max, 1) + 1)
-    step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * k
-    stretch = (budget + n + k * d + d * step) / (budget + n)
-    tight_tpot = stretch / ((1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance))
+    stretch = _iteration_cost(budget, n, int(tight.sum()), d, s) / (budget + n)
+    tight_tpot = stretch / _chain_tokens(d, s)
     ok = (t_plain_ms * stretch <= s.slack_margin * slo_ms[~tight].min()) & (tight_tpot < 1.0)
     if not ok.any():
         return none
