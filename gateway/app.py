@@ -26,7 +26,7 @@ from adaserve.config import Settings
 from gateway import spec as specs
 from gateway.auth import ApiKeys
 from gateway.core import Gateway, Generation
-from gateway.errors import APIError
+from gateway.errors import APIError, from_validation
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
@@ -317,15 +317,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _validation_error(err: RequestValidationError) -> APIError:
     first = err.errors()[0] if err.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
-    if not loc:
+    whole_body = not [p for p in first.get("loc", ()) if p != "body"]
+    if whole_body and first.get("type") != "value_error":  # a list, a string, nothing
         return APIError(
             400,
             "request body must be a JSON object sent with Content-Type: application/json",
             code="invalid_body",
         )
-    msg = first.get("msg", "invalid request")
-    param = ".".join(loc) or None
-    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+    # A value_error on the whole body is a cross-field check: "logprobs is not supported".
+    return from_validation(first, skip=("body",))

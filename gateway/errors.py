@@ -7,6 +7,7 @@ as the matching status code. Verifier status codes map here, in one place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -82,6 +83,17 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def from_validation(first: Mapping[str, Any], skip: tuple[str, ...] = ()) -> APIError:
+    """A pydantic error as a 400 that names the field. Our own checks raise ValueError,
+    which pydantic prefixes with "Value error, "; the client gets the check's words.
+    `skip`: location parts that are not the client's (FastAPI's "body")."""
+    loc = [str(p) for p in first.get("loc", ()) if p not in skip]
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    param = ".".join(loc) or None
+    code = "unsupported" if "not supported" in msg else "invalid_value"
+    return bad_request(f"{param}: {msg}" if param else msg, param=param, code=code)
 
 
 def from_grpc(err: grpc.aio.AioRpcError, unit: str) -> APIError:

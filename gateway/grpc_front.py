@@ -20,7 +20,7 @@ from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway import spec as specs
 from gateway.auth import ApiKeys
 from gateway.core import Gateway
-from gateway.errors import APIError
+from gateway.errors import APIError, from_validation
 from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
 from services.common.server import GrpcServer, Service
 
@@ -85,7 +85,7 @@ class GatewayServicer(ggrpc.GatewayServicer):
             parsed = model.model_validate(body)
             spec = build(parsed, self.gw.settings, {}, self.gw.slo_classes())
         except ValidationError as exc:
-            err = _from_validation(exc)
+            err = from_validation(exc.errors()[0])
             self.gw.rejected(endpoint, err)
             await context.abort(err.grpc_code, err.message)
         except APIError as err:
@@ -143,13 +143,6 @@ def _options(opts: gpb.RequestOptions, context: grpc.aio.ServicerContext) -> dic
     if remaining is not None and remaining > 0:
         body["timeout"] = min(body.get("timeout", remaining), remaining, 86_400.0)
     return body
-
-
-def _from_validation(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    msg = first.get("msg", "invalid request")
-    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: APIError) -> None:

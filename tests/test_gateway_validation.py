@@ -99,6 +99,28 @@ def test_invalid_request_is_400(gateway: str, path: str, body: dict, param: str 
         assert err["param"] is not None and err["param"].startswith(param), err
 
 
+UNSUPPORTED = [
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+    ("chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("chat/completions", {**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("path,body,feature", UNSUPPORTED)
+def test_unsupported_feature_is_named(gateway: str, path: str, body: dict, feature: str) -> None:
+    """A cross-field check's own words reach the client, not a generic body error."""
+    r = httpx.post(f"{gateway}/v1/{path}", json={"model": "m", **body})
+    err = _assert_error(r, 400)
+    assert err["code"] == "unsupported", err
+    assert feature in err["message"] and "not supported" in err["message"], err
+    assert not err["message"].startswith("Value error"), err
+
+
 @pytest.mark.parametrize(
     "content,ctype",
     [
