@@ -199,6 +199,7 @@ class Engine:
         self._running: dict[str, _Request] = {}
         self._reserved = 0
         self._iterations = 0
+        self._prefill_s = 0.0  # this step's prefill time (step() subtracts it from host)
         self._arrivals = itertools.count()
         # Ids of submitted, not yet retired requests: a second request under a live id
         # would share the first one's KV sequence and fail the whole batch.
@@ -297,6 +298,8 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: intake, admission + prefill, then one speculative decode step."""
+        start = self.clock()
+        self._prefill_s = 0.0
         self._drain_inbox()
         self._expire_deadlines()
         self._admit()
@@ -328,6 +331,10 @@ class Engine:
             self._apply(r, res.emitted_tokens.tolist(), t3)
         self._observe_iteration(batch, selected, t0, t1, t2, t3)
         self._flush_releases()
+        # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
+        # streaming): host time every running request waits, outside the model phases.
+        host = self.clock() - start - (t3 - t0) - self._prefill_s
+        metrics.iteration_seconds.labels("host").observe(max(host, 0.0))
 
     # ---- iteration phases ----------------------------------------------------------
 
@@ -596,6 +603,7 @@ class Engine:
         now = self.clock()
         # Prefill blocks decoding: its time is part of what every running request waits.
         metrics.iteration_seconds.labels("prefill").observe(now - t0)
+        self._prefill_s += now - t0
         for r, tok in zip(admitted, first, strict=True):
             self._running[r.req.id] = r
             r.best_effort = self._judge_best_effort(r)

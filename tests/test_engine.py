@@ -354,6 +354,39 @@ def test_prefill_time_is_an_iteration_phase(target_dir):
     assert n1 - n0 >= 1 and s1 > s0
 
 
+def test_host_time_outside_the_model_phases_is_a_phase(target_dir, monkeypatch):
+    """Streaming and bookkeeping between the model phases delay every running request;
+    the `host` phase measures them (the simulator validation fits its per-iteration
+    overhead to it). A slow stop check shows up there and not in the decode phases."""
+    from prometheus_client import REGISTRY
+
+    def sample(phase: str) -> tuple[float, float]:
+        get = REGISTRY.get_sample_value
+        labels = {"phase": phase}
+        return (
+            get("adaserve_iteration_seconds_sum", labels) or 0.0,
+            get("adaserve_iteration_seconds_count", labels) or 0.0,
+        )
+
+    engine = make_engine(target_dir, None)
+    apply = engine._apply
+
+    def slow_apply(*args, **kwargs):
+        time.sleep(0.02)
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_apply", slow_apply)
+    (h0, n0), (t0, _) = sample("host"), sample("total")
+    iterations = engine._iterations
+    run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 6, 50.0))])
+    (h1, n1), (t1, _) = sample("host"), sample("total")
+    steps = engine._iterations - iterations
+    assert steps >= 5 and n1 - n0 == steps  # one observation per decode iteration
+    # every step's slow apply, plus the first token's at admission; not the forwards
+    assert steps * 0.02 <= h1 - h0 < (steps + 1) * 0.02 + steps * 0.01
+    assert (t1 - t0) / steps < 0.02  # the decode phases do not see the sleep
+
+
 def test_spec_metrics_count_emitted_tokens(target_dir):
     """vLLM-style spec-decode counters: emitted / drafts is the tokens per verification
     step that dashboards (and benchmarks/sim/validate_cpu.py) read."""

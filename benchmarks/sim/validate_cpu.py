@@ -12,7 +12,9 @@
    prefill time per iteration, from `adaserve_iteration_seconds{phase}`).
 4. `adaserve simulate` runs the same trace (same seed, rate, duration) twice: on the
    profile as measured, and on the profile with its verify, draft and prefill tables
-   scaled so the simulated phase times match the ones recorded in that run. The scale
+   scaled so the simulated phase times match the ones recorded in that run, and the
+   run's host time per iteration (streaming, bookkeeping: `phase="host"`) added to
+   every simulated iteration as the profile's `iteration_overhead_ms`. The scale
    is needed because this shared 2-core host drifts: the same forward takes 36-125 ms
    from one minute to the next, so a profile measured before the runs cannot describe
    all of them. Only costs are fitted; attainment and goodput are predicted.
@@ -113,7 +115,7 @@ def engine_metrics_url(log: Path) -> str | None:
     return None
 
 
-PHASES = ("speculate", "select", "verify", "prefill")
+PHASES = ("speculate", "select", "verify", "prefill", "host")
 
 
 def server_counters(url: str | None) -> dict[str, float]:
@@ -150,6 +152,8 @@ def server_costs(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "verify_ms_per_iter": 1000 * (d.get("verify_s", 0.0) + d.get("select_s", 0.0)) / it,
         "draft_ms_per_iter": 1000 * d.get("speculate_s", 0.0) / it,
         "prefill_ms_total": 1000 * d.get("prefill_s", 0.0),
+        # streaming and bookkeeping between the phases: the profile's iteration overhead
+        "host_ms_per_iter": 1000 * d.get("host_s", 0.0) / it,
         "mean_batch": d.get("batch_sum", 0.0) / it,
         "mean_tree_tokens": d.get("tokens_sum", 0.0) / it,
         "mean_accepted": d["emitted"] / d["drafts"] if d.get("drafts") else None,
@@ -230,9 +234,10 @@ def simulate(workload: Path, rps: float, duration: float, seed: int, out: Path) 
     return json.loads((out / "summary.json").read_text())
 
 
-def scaled_workload(scale: dict[str, float], out: Path) -> Path:
+def scaled_workload(scale: dict[str, float], out: Path, overhead_ms: float = 0.0) -> Path:
     """The workload with its profile's verify, draft and prefill tables multiplied by
-    `scale`: the same shape, at the speed the host actually ran during one real run."""
+    `scale`: the same shape, at the speed the host actually ran during one real run,
+    plus that run's host time per iteration as the profile's iteration overhead."""
     from adaserve.sim.costmodel import load_profile
 
     wl = yaml.safe_load(WORKLOAD.read_text())
@@ -242,6 +247,7 @@ def scaled_workload(scale: dict[str, float], out: Path) -> Path:
     prof["verify"]["ms"] = [[m * scale["verify"] for m in row] for row in prof["verify"]["ms"]]
     prof["draft_step"]["ms"] = [m * scale["draft"] for m in prof["draft_step"]["ms"]]
     prof["prefill"]["ms"] = [m * scale["prefill"] for m in prof["prefill"]["ms"]]
+    prof["iteration_overhead_ms"] = overhead_ms
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile-scaled.yaml").write_text(yaml.safe_dump(prof, sort_keys=False))
     wl["profile"] = str((out / "profile-scaled.yaml").resolve())
@@ -251,10 +257,10 @@ def scaled_workload(scale: dict[str, float], out: Path) -> Path:
     return path
 
 
-def sim_costs(sim: dict) -> dict[str, float]:
+def sim_costs(sim: dict, overhead_ms: float = 0.0) -> dict[str, float]:
     it = max(sim["iterations"], 1)
-    return {
-        "verify_ms_per_iter": sim["verify_ms_total"] / it,
+    return {  # the simulator's verify time includes the profile's iteration overhead
+        "verify_ms_per_iter": sim["verify_ms_total"] / it - overhead_ms,
         "draft_ms_per_iter": sim["draft_ms_total"] / it,
         "prefill_ms_total": sim["prefill_ms_total"],
     }
@@ -264,12 +270,15 @@ def fit_scale(real: dict, rps: float, duration: float, seed: int, out: Path) -> 
     """Fixed point: simulate, compare the simulated per-iteration verify and draft time
     and the prefill total with what the server's phase metrics recorded in the same run,
     rescale the profile's tables by the ratio, repeat. Only costs are fitted (what the
-    hardware did); attainment and goodput are then the simulator's prediction."""
+    hardware did); attainment and goodput are then the simulator's prediction. The
+    server's host time per iteration is taken as measured (`host_ms`)."""
     costs = real["server_costs"]
+    host = costs.get("host_ms_per_iter", 0.0)
     scale = {"verify": 1.0, "draft": 1.0, "prefill": 1.0}
     for _ in range(4):
-        sim = simulate(scaled_workload(scale, out), rps, duration, seed, out / "fitting")
-        got = sim_costs(sim)
+        wl = scaled_workload(scale, out, host)
+        sim = simulate(wl, rps, duration, seed, out / "fitting")
+        got = sim_costs(sim, host)
         for key, field in (
             ("verify", "verify_ms_per_iter"),
             ("draft", "draft_ms_per_iter"),
@@ -277,7 +286,7 @@ def fit_scale(real: dict, rps: float, duration: float, seed: int, out: Path) -> 
         ):
             if got[field] > 0 and costs[field] > 0:
                 scale[key] *= costs[field] / got[field]
-    return scale
+    return {**scale, "host_ms": host}
 
 
 def run_real(up_args: list[str], rates: list[float], duration: float, args) -> dict:
@@ -370,7 +379,8 @@ def main() -> int:
         if "server_costs" not in reals[r]:
             continue  # a run from before the server exported its phase times
         scales[str(r)] = fit_scale(reals[r], r, duration, args.seed, args.out / f"fit-rps{r}")
-        wl = scaled_workload(scales[str(r)], args.out / f"fit-rps{r}")
+        s = scales[str(r)]
+        wl = scaled_workload(s, args.out / f"fit-rps{r}", s["host_ms"])
         results[str(r)] = compare(
             reals[r], simulate(wl, r, duration, args.seed, args.out / f"sim-rps{r}")
         )
@@ -384,7 +394,7 @@ def main() -> int:
     (args.out / "validation.json").write_text(json.dumps(report, indent=2))
     scale_lines = "\n".join(
         f"- {r} req/s: verify x{s['verify']:.2f}, draft x{s['draft']:.2f}, "
-        f"prefill x{s['prefill']:.2f}"
+        f"prefill x{s['prefill']:.2f}, host {s.get('host_ms', 0.0):.1f} ms per iteration"
         for r, s in scales.items()
     )
     text = (
