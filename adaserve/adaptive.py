@@ -19,12 +19,19 @@ requests, at the depth that makes them fastest while the iteration it stretches 
 every other request within `slack_margin` of its own SLO: their slack pays for the tight
 requests' speed, which is the product (a batch of equal SLOs gets no such plan).
 
+With `learn_acceptance`, the cost model's acceptance is learned from the verifications
+the engine has seen (`AcceptanceEstimate`), the setting being the prior: how often the
+drafter agrees with the target depends on the workload (code and repetitive text far
+more than the held-out chat prompts the setting was measured on).
+
 With no active requests there is nothing to speculate for; every policy then answers
 as it would for a single request, so the first request of an idle server is planned
 for the lightest load.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -79,9 +86,7 @@ def _chain_tokens(d: np.ndarray, s: AdaptiveSettings) -> np.ndarray:
     return (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
 
 
-def _iteration_cost(
-    budget: int, n: int, k: int, d: np.ndarray, s: AdaptiveSettings
-) -> np.ndarray:
+def _iteration_cost(budget: int, n: int, k: int, d: np.ndarray, s: AdaptiveSettings) -> np.ndarray:
     """Token-units of an iteration of n requests, k of them drafted for d steps: the
     verify forward (B + n roots + k d tree tokens) plus d draft steps of c + c_n k each.
     Needs s.draft_cost_tokens."""
@@ -119,3 +124,45 @@ def slack_plan(
 
 def _clip(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Online estimate of alpha, the probability that the target accepts the next level
+    of a drafted tree, as the cost model uses it.
+
+    Each verification is a run of accepted levels that ends either in a rejection (the
+    last accepted node had children and the target picked none of them) or at a leaf
+    (censored: the tree simply ended there). The maximum-likelihood alpha of such runs is
+    accepted / (accepted + rejections). The counts start as `weight` pseudo-observations
+    of the prior, and every iteration (`tick`) fades the evidence back toward them: the
+    estimate follows a changing workload, and a drafter that a bad stretch switched off
+    (plain decoding: no more evidence) is tried again a few hundred iterations later."""
+
+    prior: float
+    weight: float = 5.0
+    decay: float = 0.99  # per iteration: evidence counts for ~100 iterations
+    accepted: float = field(init=False)
+    rejected: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accepted = self.prior * self.weight
+        self.rejected = (1.0 - self.prior) * self.weight
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        self.accepted += accepted
+        self.rejected += float(rejected)
+
+    def tick(self) -> None:
+        d, w = self.decay, (1.0 - self.decay) * self.weight
+        self.accepted = d * self.accepted + w * self.prior
+        self.rejected = d * self.rejected + w * (1.0 - self.prior)
+
+    @property
+    def alpha(self) -> float:
+        total = self.accepted + self.rejected
+        # kept inside (0, 1): the cost model's geometric sums need alpha < 1
+        return min(max(self.accepted / total, ALPHA_MIN), ALPHA_MAX) if total > 0 else ALPHA_MIN
+
+
+ALPHA_MIN, ALPHA_MAX = 0.05, 0.95

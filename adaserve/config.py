@@ -88,6 +88,9 @@ class AdaptiveSettings(BaseModel):
     # bookkeeping, KV catch-up) grows with the batch even where its forward does not.
     draft_cost_tokens_per_request: NonNegativeFloat = 0.0
     acceptance: float = Field(default=0.75, gt=0.0, lt=1.0)  # per drafted token, for the cap
+    # Learn it from the verifications this engine sees, `acceptance` being the prior
+    # (adaptive.AcceptanceEstimate): the plan follows the workload's real acceptance.
+    learn_acceptance: bool = False
     # Where the cap plans plain decoding, the tightest-SLO requests are still drafted for
     # if the longer iteration keeps every other request within this fraction of its SLO
     # (adaptive.slack_plan); None -> never. Needs draft_cost_tokens (the cost model).

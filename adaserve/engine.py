@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaserve import metrics
-from adaserve.adaptive import slack_plan
+from adaserve.adaptive import AcceptanceEstimate, plan_depth_width, slack_plan
 from adaserve.checks import check_selection, check_trees
-from adaserve.config import Settings
+from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.scheduler import LocalScheduler, Scheduler
@@ -182,6 +182,10 @@ class Engine:
         self.drafter = drafter if settings.engine.speculation else None
         self.scheduler = scheduler
         self.local_scheduler = LocalScheduler(settings.scheduler)
+        adaptive = settings.scheduler.adaptive
+        self.acceptance = (
+            AcceptanceEstimate(adaptive.acceptance) if adaptive.learn_acceptance else None
+        )
         self.settings = settings
         self.tokenizer = tokenizer
         self.clock = clock
@@ -344,7 +348,8 @@ class Engine:
         round trips of a gRPC iteration (the scheduler service keeps `Plan` for others)."""
         if self.drafter is None:
             return [], 0, 1
-        depth, width = self.local_scheduler.plan(len(batch))
+        budget, adaptive = self.settings.scheduler.budget, self._adaptive()
+        depth, width = plan_depth_width(len(batch), budget, adaptive)
         if depth > 0:
             return batch, depth, width
         # Drafting for the whole batch does not pay, but SLO comes before throughput.
@@ -356,14 +361,21 @@ class Engine:
         tight, slack_depth = slack_plan(
             np.array([r.req.tpot_slo_ms for r in batch]),
             t_plain,
-            self.settings.scheduler.budget,
-            self.settings.scheduler.adaptive,
+            budget,
+            adaptive,
         )
         drafted = [r for r, b, t in zip(batch, behind, tight, strict=True) if b or t]
         if not drafted:
             return [], 0, width
-        depth, width = self.local_scheduler.plan(len(drafted))
+        depth, width = plan_depth_width(len(drafted), budget, adaptive)
         return drafted, slack_depth or depth, width
+
+    def _adaptive(self) -> AdaptiveSettings:
+        """The depth/width settings, with the learned acceptance where it is learned."""
+        adaptive = self.settings.scheduler.adaptive
+        if self.acceptance is None:
+            return adaptive
+        return adaptive.model_copy(update={"acceptance": self.acceptance.alpha})
 
     def _behind_without_drafts(self, batch: list[_Request], t_plain_ms: float) -> np.ndarray:
         """Which requests need more than the bonus token this iteration, A(r) > 1, if
@@ -729,6 +741,12 @@ class Engine:
         metrics.spec_num_accepted_tokens.inc(accepted)
         for pos in range(accepted):
             metrics.spec_accepted_per_pos.labels(str(pos)).inc()
+        if self.acceptance is not None:
+            # The run of accepted levels ended in a rejection if the last accepted node
+            # had children to choose from; at a leaf the tree just ended (censored).
+            rejected = bool((tree.parents == accepted_nodes[-1]).any())
+            self.acceptance.observe(accepted, rejected)
+            metrics.spec_acceptance_estimate.set(self.acceptance.alpha)
 
     def _observe_iteration(self, batch, selected, t0, t1, t2, t3) -> None:
         tokens = sum(len(t) for t in selected)
@@ -740,6 +758,8 @@ class Engine:
         metrics.iteration_seconds.labels("verify").observe(t3 - t2)
         metrics.iteration_seconds.labels("total").observe(t3 - t0)
         metrics.budget_used.observe(tokens)
+        if self.acceptance is not None:
+            self.acceptance.tick()
         metrics.batch_size.observe(len(batch))
         metrics.kv_usage.set(self.target.kv_usage())
 

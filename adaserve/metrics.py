@@ -75,6 +75,10 @@ spec_accepted_per_pos = Counter(
     "Accepted drafted tokens by depth in the tree",
     ["position"],
 )
+spec_acceptance_estimate = Gauge(
+    "adaserve_spec_decode_acceptance_estimate",
+    "Learned per-level acceptance of drafted trees (scheduler.adaptive.learn_acceptance)",
+)
 spec_emitted_tokens = Counter(
     "adaserve_spec_decode_num_emitted_tokens_total", "Tokens emitted (accepted + bonus)"
 )

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaserve.adaptive import TIGHT_LEVEL, plan_depth_width, slack_plan
+from adaserve.adaptive import TIGHT_LEVEL, AcceptanceEstimate, plan_depth_width, slack_plan
 from adaserve.config import AdaptiveSettings, SchedulerSettings
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import SelectionParams, select
@@ -204,6 +204,44 @@ def test_slack_plan_needs_slack_two_slo_levels_and_a_cost_model():
     assert slack_plan(mixed, 10.0, 16, dear)[1] == 0
     tight, _ = slack_plan(mixed, 180.0, 16, CPU)
     assert tight.tolist() == [True, False, False, False]
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_follows_the_runs():
+    est = AcceptanceEstimate(0.6, weight=10.0)
+    assert est.alpha == pytest.approx(0.6)
+    # 30 verifications that each accepted 3 levels and then were rejected: alpha -> 3/4
+    for _ in range(30):
+        est.observe(3, rejected=True)
+    assert est.alpha == pytest.approx((6 + 90) / (6 + 90 + 4 + 30))
+    # runs that reach a leaf are censored: they raise alpha, never count a rejection
+    before = est.rejected
+    est.observe(4, rejected=False)
+    assert est.rejected == before and est.alpha > (6 + 90) / (6 + 90 + 4 + 30)
+
+
+def test_acceptance_estimate_stays_inside_the_open_interval():
+    est = AcceptanceEstimate(0.9)
+    for _ in range(200):  # a drafter that is always wrong
+        est.observe(0, rejected=True)
+    assert est.alpha == 0.05
+    est = AcceptanceEstimate(0.3)
+    for _ in range(200):  # one that is always right
+        est.observe(4, rejected=False)
+    assert est.alpha == 0.95
+
+
+def test_without_evidence_the_estimate_returns_to_the_prior():
+    """Plain decoding gathers no evidence; ticks fade the old evidence, so a drafter
+    switched off by a bad stretch gets planned (and measured) again."""
+    est = AcceptanceEstimate(0.6)
+    for _ in range(50):
+        est.observe(0, rejected=True)
+        est.tick()
+    low = est.alpha
+    assert low < 0.1
+    for _ in range(600):
+        est.tick()
+    assert est.alpha == pytest.approx(0.6, abs=0.05)
 
 
 def test_negative_settings_are_rejected():

@@ -223,6 +223,56 @@ def record_drafts(engine: Engine) -> list[list[str]]:
     return drafted
 
 
+# With draft steps of 2 token-units: depth 0 at alpha 0.05, 1 at 0.3, 4 at 0.95.
+LEARNING = {"d_min": 0, "d_max": 4, "w_max": 1, "acceptance": 0.3, "draft_cost_tokens": 2.0}
+
+
+def record_depths(engine: Engine) -> list[int]:
+    depths: list[int] = []
+    inner = engine.drafter
+
+    class Recording:
+        def speculate(self, updates, depth, width):
+            depths.append(depth)
+            return inner.speculate(updates, depth, width)
+
+        def release(self, ids):
+            inner.release(ids)
+
+    engine.drafter = Recording()
+    return depths
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_a_drafter_better_than_the_prior_earns_deeper_trees(target_dir, learn):
+    """Self-drafting accepts every level: with learn_acceptance the plan moves from the
+    prior's depth 1 to d_max as the estimate rises; without it, it stays at 1."""
+    adaptive = {**LEARNING, "learn_acceptance": learn}
+    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
+    depths = record_depths(engine)
+    res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 60, 1e4))])
+    assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 60)
+    assert depths[0] == 1
+    if learn:
+        assert depths[-1] == 4 and engine.acceptance.alpha > 0.8
+    else:
+        assert set(depths) == {1} and engine.acceptance is None
+
+
+def test_a_drafter_worse_than_the_prior_is_switched_off(target_dir, random_drafter_dir):
+    """A random drafter is almost never accepted: the learned estimate falls below what
+    a draft step costs and the plan becomes plain decoding. Output stays the target's."""
+    adaptive = {**LEARNING, "learn_acceptance": True}
+    engine = make_engine(target_dir, random_drafter_dir, scheduler={"adaptive": adaptive})
+    depths = record_depths(engine)
+    iterations = engine.stats().iterations
+    res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 60, 1e4))])
+    assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 60)
+    assert engine.acceptance.alpha < LEARNING["acceptance"]
+    # a few depth-1 probes, then plain decoding for the rest of the request
+    assert 0 < len(depths) < (engine.stats().iterations - iterations) / 2
+
+
 def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir):
     """The cost cap plans no drafting for a batch of two, but SLO comes first: the request
     that plain decoding leaves behind its SLO is still drafted for (planned as a batch of
