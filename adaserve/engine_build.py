@@ -74,6 +74,7 @@ def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter
         kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
+        quantization=ms.drafter_quantization,
     )
     return BeamDrafter(runner)
 

@@ -118,9 +118,11 @@ def load_runner(
     max_model_len: int | None = None,
     attention_backend: str = "auto",
     threads: int | None = None,
+    quantization: str = "none",
 ) -> ModelRunner | TPRunner:
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
-    and returns a TPRunner with the same interface."""
+    and returns a TPRunner with the same interface. `quantization` "int8" is for a CPU
+    drafter only (adaserve/model/quantize.py)."""
     path = resolve_model(spec, role)
     kwargs: dict[str, Any] = dict(
         kv_block_size=kv_block_size,
@@ -128,6 +130,7 @@ def load_runner(
         kv_memory_gb=kv_memory_gb,
         max_model_len=max_model_len,
         attention_backend=attention_backend,
+        quantization=quantization,
     )
     if threads is not None:
         torch.set_num_threads(threads)
@@ -150,6 +153,7 @@ def build_runner(
     kv_memory_gb: float | None = None,
     max_model_len: int | None = None,
     attention_backend: str = "auto",
+    quantization: str = "none",
 ) -> ModelRunner:
     """Build this rank's runner from a resolved HF directory."""
     cfg = ModelConfig.from_dir(path)
@@ -170,6 +174,12 @@ def build_runner(
     with src:
         model.load_weights(src)
     model.eval()
+    if quantization == "int8":
+        from adaserve.model.quantize import quantize_int8
+
+        quantize_int8(model)
+    elif quantization != "none":
+        raise ValueError(f"unknown quantization {quantization!r} (none | int8)")
     storage = KVStorage(
         cfg.num_layers, kv_blocks, kv_block_size, kv_heads, cfg.head_dim, dtype, device
     )

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
             kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
             max_model_len=settings.engine.max_model_len,
             threads=args.threads,
+            quantization=ms.drafter_quantization,
         ).result()
         drafter = worker.submit(BeamDrafter, runner).result()
     except (OSError, ValueError) as exc:  # missing or unsupported model: say so, no traceback
