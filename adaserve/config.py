@@ -137,8 +137,9 @@ class ModelSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto -> cuda if available else cpu
     served_name: str | None = None  # the `model` clients send; None -> derived from target
-    # "int8": the drafter's linear layers run as dynamic int8 on a CPU (about twice as
-    # fast a draft step; output unchanged, the target verifies every token).
+    # "int8": where the drafter runs on a CPU, its linear layers run as dynamic int8
+    # (about twice as fast a draft step; output unchanged, the target verifies every
+    # token). Ignored on a GPU, so one settings file serves both.
     drafter_quantization: Literal["none", "int8"] = "none"
 
 

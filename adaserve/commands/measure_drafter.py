@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="single-threaded generation processes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--cost-steps", type=int, default=32, help="decode steps timed per model (0: skip)")
+    p.add_argument("--drafter-quantization", choices=["none", "int8"], default="none",
+                   help="time the drafter as the runtime runs it with model.drafter_quantization "
+                        "(the acceptance is always the fp32 drafter's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -86,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
         from adaserve.distill.cost import decode_ms_per_token
 
         t_ms = decode_ms_per_token(args.target, "target", args.cost_steps, threads=args.threads)
-        d_ms = decode_ms_per_token(args.drafter, "drafter", args.cost_steps, threads=args.threads)
+        d_ms = decode_ms_per_token(args.drafter, "drafter", args.cost_steps, threads=args.threads,
+                                   quantization=args.drafter_quantization)
         result.update(target_ms_per_token=round(t_ms, 3), drafter_ms_per_token=round(d_ms, 3),
-                      cost_ratio=round(t_ms / d_ms, 2))
+                      cost_ratio=round(t_ms / d_ms, 2),
+                      drafter_quantization=args.drafter_quantization)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LO,HI",
         help="random token-id prompts from [LO, HI), as `adaserve bench serve` sends",
     )
+    p.add_argument(
+        "--drafter-quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="profile the drafter as model.drafter_quantization runs it (int8: on a CPU)",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
@@ -66,7 +72,13 @@ def run(args: argparse.Namespace) -> int:
         target = load_runner(args.target, args.device, args.dtype, threads=args.threads)
         drafter = None
         if args.drafter != "none":
-            drafter = load_runner(args.drafter, args.device, args.dtype, role="drafter")
+            drafter = load_runner(
+                args.drafter,
+                args.device,
+                args.dtype,
+                role="drafter",
+                quantization=args.drafter_quantization,
+            )
         if random_ids is not None and random_ids[0] >= target.vocab_size:
             raise ValueError(
                 f"--trace-random-prompts: LO {random_ids[0]} is not below the vocabulary "

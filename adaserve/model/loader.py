@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ __all__ = [
     "resolve_dtype",
     "resolve_model",
 ]
+
+log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2"
@@ -174,10 +177,12 @@ def build_runner(
     with src:
         model.load_weights(src)
     model.eval()
-    if quantization == "int8":
+    if quantization == "int8" and device.type == "cpu":
         from adaserve.model.quantize import quantize_int8
 
         quantize_int8(model)
+    elif quantization == "int8":  # one settings file serves a laptop and a GPU box alike
+        log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
     elif quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r} (none | int8)")
     storage = KVStorage(
