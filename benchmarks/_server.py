@@ -3,6 +3,7 @@ stop it (the launcher stops its services in reverse order)."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -35,7 +36,7 @@ def start_up(args: list[str], port: int, log: Path, timeout_s: float = 600.0) ->
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
                 if r.status == 200:
                     return proc
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up yet, or not ours (a port race)
             pass
         time.sleep(1.0)
     stop_up(proc)

@@ -3,7 +3,8 @@ speculation off (issue 6), at several concurrency levels, greedy, same prompts.
 
 Starts `adaserve up --all-in-one` twice on loopback (embedded drafter, and
 `--drafter none`), sends `concurrency` chat requests at once through the
-OpenAI-compatible API, `repeats` times to each server in alternation, and reports
+OpenAI-compatible API, `repeats` times to each server in alternation (round k starts
+at prompt k * concurrency, so one request walks through the prompts), and reports
 median tokens/s and the median of the per-round ratios (each speculative round over the
 plain round right after it: on a shared host whose speed drifts from minute to minute,
 adjacent rounds see the same machine).
@@ -39,7 +40,9 @@ PROMPTS = [
 ]
 
 
-async def one_round(port: int, concurrency: int, max_tokens: int) -> tuple[float, int, list[str]]:
+async def one_round(
+    port: int, concurrency: int, max_tokens: int, first: int = 0
+) -> tuple[float, int, list[str]]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
 
         async def ask(i: int) -> tuple[int, str]:
@@ -47,7 +50,7 @@ async def one_round(port: int, concurrency: int, max_tokens: int) -> tuple[float
                 "/v1/chat/completions",
                 json={
                     "model": "SmolLM2-135M-Instruct",
-                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    "messages": [{"role": "user", "content": PROMPTS[(first + i) % len(PROMPTS)]}],
                     "max_tokens": max_tokens,
                     "temperature": 0.0,
                     "ignore_eos": True,
@@ -84,18 +87,23 @@ def main() -> int:
     # Both servers stay up and rounds alternate (speculative, plain, speculative, ...):
     # an idle server costs nothing, and load drifts on a shared machine hit both alike.
     modes = {"speculative": args.drafter, "plain": "none"}
-    ports = {mode: free_port() for mode in modes}
+    ports: dict[str, int] = {}
     procs: dict[str, subprocess.Popen] = {}
     try:
         for mode, drafter in modes.items():
+            # picked only now: the first server's services take free ports as they start
+            ports[mode] = free_port()
             up_args = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
             procs[mode] = start_up(up_args, ports[mode], Path(args.out) / f"up-{mode}.log")
             asyncio.run(one_round(ports[mode], 1, 8))  # warm-up
         for c in args.concurrency:
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
-            for _ in range(args.repeats):
+            for k in range(args.repeats):
                 for mode in modes:
-                    elapsed, tokens, out = asyncio.run(one_round(ports[mode], c, args.max_tokens))
+                    # round k starts at prompt k * c: one request does not measure one prompt
+                    elapsed, tokens, out = asyncio.run(
+                        one_round(ports[mode], c, args.max_tokens, first=k * c)
+                    )
                     rates[mode].append(tokens / elapsed)
                     texts[(mode, c)] = out
             for mode in modes:
