@@ -432,9 +432,8 @@ def test_host_time_outside_the_model_phases_is_a_phase(target_dir, monkeypatch):
     (h1, n1), (t1, _) = sample("host"), sample("total")
     steps = engine._iterations - iterations
     assert steps >= 5 and n1 - n0 == steps  # one observation per decode iteration
-    # every step's slow apply, plus the first token's at admission; not the forwards
-    assert steps * 0.02 <= h1 - h0 < (steps + 1) * 0.02 + steps * 0.01
-    assert (t1 - t0) / steps < 0.02  # the decode phases do not see the sleep
+    assert h1 - h0 >= steps * 0.02  # every step's slow apply
+    assert t1 - t0 < h1 - h0  # the decode phases (a tiny model's forwards) do not see it
 
 
 def test_spec_metrics_count_emitted_tokens(target_dir):
