@@ -40,6 +40,9 @@ from adaserve.config import AdaptiveSettings
 # SLOs within this factor of the tightest in the batch count as one (the tight) level:
 # per-request SLOs need not come from a handful of classes.
 TIGHT_LEVEL = 1.1
+# The learned acceptance stays inside (0, 1): the cost model's geometric sums need
+# alpha < 1, and a drafter estimated at 0 would never be measured again.
+ALPHA_MIN, ALPHA_MAX = 0.05, 0.95
 
 
 def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[int, int]:
@@ -161,8 +164,5 @@ class AcceptanceEstimate:
     @property
     def alpha(self) -> float:
         total = self.accepted + self.rejected
-        # kept inside (0, 1): the cost model's geometric sums need alpha < 1
         return min(max(self.accepted / total, ALPHA_MIN), ALPHA_MAX) if total > 0 else ALPHA_MIN
 
-
-ALPHA_MIN, ALPHA_MAX = 0.05, 0.95

@@ -203,7 +203,6 @@ class Engine:
         self._running: dict[str, _Request] = {}
         self._reserved = 0
         self._iterations = 0
-        self._prefill_s = 0.0  # this step's prefill time (step() subtracts it from host)
         self._arrivals = itertools.count()
         # Ids of submitted, not yet retired requests: a second request under a live id
         # would share the first one's KV sequence and fail the whole batch.
@@ -303,10 +302,9 @@ class Engine:
     def step(self) -> None:
         """One iteration: intake, admission + prefill, then one speculative decode step."""
         start = self.clock()
-        self._prefill_s = 0.0
         self._drain_inbox()
         self._expire_deadlines()
-        self._admit()
+        prefill_s = self._admit()
         if not self._running:
             self._flush_releases()
             return
@@ -337,7 +335,7 @@ class Engine:
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
         # streaming): host time every running request waits, outside the model phases.
-        host = self.clock() - start - (t3 - t0) - self._prefill_s
+        host = self.clock() - start - (t3 - t0) - prefill_s
         metrics.iteration_seconds.labels("host").observe(max(host, 0.0))
 
     # ---- iteration phases ----------------------------------------------------------
@@ -582,9 +580,10 @@ class Engine:
             generator=self.target.make_generator(req.sampling.seed),
         )
 
-    def _admit(self) -> None:
+    def _admit(self) -> float:
+        """Admit what fits and prefill it; returns the prefill's seconds."""
         if not self._waiting:
-            return
+            return 0.0
         # vLLM-style priority: lower value first, then arrival order.
         self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
         max_tree = self._max_tree_nodes()
@@ -607,7 +606,7 @@ class Engine:
             self._reserved += need
             admitted.append(r)
         if not admitted:
-            return
+            return 0.0
         t0 = self.clock()
         first = self.target.prefill(
             [(r.req.id, r.tokens, r.req.sampling, r.generator) for r in admitted]
@@ -615,13 +614,13 @@ class Engine:
         now = self.clock()
         # Prefill blocks decoding: its time is part of what every running request waits.
         metrics.iteration_seconds.labels("prefill").observe(now - t0)
-        self._prefill_s += now - t0
         for r, tok in zip(admitted, first, strict=True):
             self._running[r.req.id] = r
             r.best_effort = self._judge_best_effort(r)
             self._apply(r, [tok], now)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
+        return now - t0
 
     def _slo_floor_ms(self) -> float:
         """Plain decoding's per-token latency divided by the most tokens one iteration

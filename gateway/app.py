@@ -320,11 +320,12 @@ def _validation_error(err: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
     whole_body = not [p for p in first.get("loc", ()) if p != "body"]
-    if whole_body and first.get("type") != "value_error":  # a list, a string, nothing
+    if whole_body and first.get("type") not in ("value_error", "unsupported"):  # not an object
         return APIError(
             400,
             "request body must be a JSON object sent with Content-Type: application/json",
             code="invalid_body",
         )
-    # A value_error on the whole body is a cross-field check: "logprobs is not supported".
+    # An error on the whole body from our own checks is a cross-field one:
+    # "logprobs is not supported", "presence_penalty and frequency_penalty ...".
     return from_validation(first, skip=("body",))

@@ -87,12 +87,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_validation(first: Mapping[str, Any], skip: tuple[str, ...] = ()) -> APIError:
     """A pydantic error as a 400 that names the field. Our own checks raise ValueError,
-    which pydantic prefixes with "Value error, "; the client gets the check's words.
+    which pydantic prefixes with "Value error, " (the client gets the check's words), or
+    an "unsupported" error for a feature we do not offer (code `unsupported`).
     `skip`: location parts that are not the client's (FastAPI's "body")."""
     loc = [str(p) for p in first.get("loc", ()) if p not in skip]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     param = ".".join(loc) or None
-    code = "unsupported" if "not supported" in msg else "invalid_value"
+    code = "unsupported" if first.get("type") == "unsupported" else "invalid_value"
     return bad_request(f"{param}: {msg}" if param else msg, param=param, code=code)
 
 

@@ -12,6 +12,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -21,6 +22,11 @@ REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+
+
+def _not_offered(message: str) -> PydanticCustomError:
+    """An API feature adaserve does not offer: the gateway answers 400, code "unsupported"."""
+    return PydanticCustomError("unsupported", message)
 
 
 class _Body(BaseModel):
@@ -81,9 +87,9 @@ class _Common(_Body):
     def _unsupported(self) -> _Common:
         # Silently ignoring these would return output the client did not ask for.
         if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
+            raise _not_offered("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise _not_offered("logit_bias is not supported")
         return self
 
     @property
@@ -113,13 +119,13 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _completion_unsupported(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise _not_offered("echo is not supported")
         if self.logprobs:
-            raise ValueError("logprobs is not supported")
+            raise _not_offered("logprobs is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise _not_offered("suffix is not supported")
         if self.best_of is not None and self.best_of > 1:
-            raise ValueError("best_of > 1 is not supported")
+            raise _not_offered("best_of > 1 is not supported")
         return self
 
 
@@ -152,11 +158,11 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _chat_unsupported(self) -> ChatCompletionRequest:
         if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs is not supported")
+            raise _not_offered("logprobs is not supported")
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise _not_offered("tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
+            raise _not_offered("response_format other than text is not supported")
         return self
 
     @property

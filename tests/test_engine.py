@@ -168,37 +168,6 @@ def test_drafter_failures_and_lost_state_keep_output_identical(target_dir):
     assert engine.stats().drafter_healthy  # ... and the engine noticed
 
 
-def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(target_dir):
-    """d_min 0: the plan drafts nothing while the batch is large and resumes once it
-    shrinks; the drafter then catches up on every token committed meanwhile."""
-    adaptive = {
-        "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
-        "draft_cost_tokens": 0.1, "draft_cost_tokens_per_request": 8.0,
-    }
-    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
-    assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
-    sizes: list[int] = []
-    inner = engine.drafter
-
-    class Counting:
-        def speculate(self, updates, depth, width):
-            sizes.append(len(updates))
-            return inner.speculate(updates, depth, width)
-
-        def release(self, ids):
-            inner.release(ids)
-
-    engine.drafter = Counting()
-    lengths = [6, 12, 30]
-    res = run_to_completion(
-        engine, [engine.submit(req(i, PROMPTS[i], lengths[i], 50.0)) for i in range(3)]
-    )
-    for i in range(3):
-        assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], lengths[i])
-    assert sizes and set(sizes) == {1}  # drafted only once the batch was down to one
-    assert engine.stats().iterations < 30  # and the last request then sped up
-
-
 # Plain decoding for any batch of two or more, a depth of a few for one.
 CAPPED = {
     "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
@@ -206,41 +175,44 @@ CAPPED = {
 }
 
 
-def record_drafts(engine: Engine) -> list[list[str]]:
-    """Wraps the engine's drafter; returns the list of the ids each speculate call got."""
-    drafted: list[list[str]] = []
+def record_speculate(engine: Engine) -> list[tuple[list[str], int]]:
+    """Wraps the engine's drafter; returns (request ids, depth) of every speculate call."""
+    calls: list[tuple[list[str], int]] = []
     inner = engine.drafter
 
     class Recording:
         def speculate(self, updates, depth, width):
-            drafted.append([u.id for u in updates])
+            calls.append(([u.id for u in updates], depth))
             return inner.speculate(updates, depth, width)
 
         def release(self, ids):
             inner.release(ids)
 
     engine.drafter = Recording()
-    return drafted
+    return calls
+
+
+def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(target_dir):
+    """d_min 0: the plan drafts nothing while the batch is large and resumes once it
+    shrinks; the drafter then catches up on every token committed meanwhile."""
+    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": CAPPED})
+    assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
+    calls = record_speculate(engine)
+    lengths = [6, 12, 30]
+    res = run_to_completion(
+        engine, [engine.submit(req(i, PROMPTS[i], lengths[i], 50.0)) for i in range(3)]
+    )
+    for i in range(3):
+        assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], lengths[i])
+    sizes = [len(ids) for ids, _ in calls]
+    assert sizes and set(sizes) == {1}  # drafted only once the batch was down to one
+    assert engine.stats().iterations < 30  # and the last request then sped up
+
+
 
 
 # With draft steps of 2 token-units: depth 0 at alpha 0.05, 1 at 0.3, 4 at 0.95.
 LEARNING = {"d_min": 0, "d_max": 4, "w_max": 1, "acceptance": 0.3, "draft_cost_tokens": 2.0}
-
-
-def record_depths(engine: Engine) -> list[int]:
-    depths: list[int] = []
-    inner = engine.drafter
-
-    class Recording:
-        def speculate(self, updates, depth, width):
-            depths.append(depth)
-            return inner.speculate(updates, depth, width)
-
-        def release(self, ids):
-            inner.release(ids)
-
-    engine.drafter = Recording()
-    return depths
 
 
 @pytest.mark.parametrize("learn", [True, False])
@@ -249,9 +221,10 @@ def test_a_drafter_better_than_the_prior_earns_deeper_trees(target_dir, learn):
     prior's depth 1 to d_max as the estimate rises; without it, it stays at 1."""
     adaptive = {**LEARNING, "learn_acceptance": learn}
     engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
-    depths = record_depths(engine)
+    calls = record_speculate(engine)
     res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 60, 1e4))])
     assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 60)
+    depths = [d for _, d in calls]
     assert depths[0] == 1
     if learn:
         assert depths[-1] == 4 and engine.acceptance.alpha > 0.8
@@ -264,10 +237,11 @@ def test_a_drafter_worse_than_the_prior_is_switched_off(target_dir, random_draft
     a draft step costs and the plan becomes plain decoding. Output stays the target's."""
     adaptive = {**LEARNING, "learn_acceptance": True}
     engine = make_engine(target_dir, random_drafter_dir, scheduler={"adaptive": adaptive})
-    depths = record_depths(engine)
+    calls = record_speculate(engine)
     iterations = engine.stats().iterations
     res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 60, 1e4))])
     assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 60)
+    depths = [d for _, d in calls]
     assert engine.acceptance.alpha < LEARNING["acceptance"]
     # a few depth-1 probes, then plain decoding for the rest of the request
     assert 0 < len(depths) < (engine.stats().iterations - iterations) / 2
@@ -282,11 +256,12 @@ def test_requests_behind_their_slo_get_trees_when_the_batch_does_not(target_dir)
     assert engine.local_scheduler.plan(1)[0] > 0 and engine.local_scheduler.plan(2)[0] == 0
     ticks = itertools.count()
     engine.clock = lambda: next(ticks) * 0.05  # every clock read 50 ms on: slow iterations
-    drafted = record_drafts(engine)
+    calls = record_speculate(engine)
     tight, relaxed = req(0, PROMPTS[0], 24, 60.0), req(1, PROMPTS[1], 24, 1e6)
     res = run_to_completion(engine, [engine.submit(tight), engine.submit(relaxed)])
     assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 24)
     assert res["tokens"]["r1"] == hf_greedy(target_dir, PROMPTS[1], 24)
+    drafted = [ids for ids, _ in calls]
     # r0 alone while both run; once r0 is done, r1 is a batch of one and is drafted for
     last_r0 = max(i for i, ids in enumerate(drafted) if ids == ["r0"])
     assert all(ids == ["r0"] for ids in drafted[: last_r0 + 1])
@@ -302,11 +277,12 @@ def test_the_relaxed_requests_slack_buys_the_tight_one_a_tree(target_dir, margin
     engine = make_engine(
         target_dir, target_dir, scheduler={"adaptive": {**CAPPED, "slack_margin": margin}}
     )
-    drafted = record_drafts(engine)
+    calls = record_speculate(engine)
     reqs = [req(0, PROMPTS[0], 20, 1e4), req(1, PROMPTS[1], 40, 1e5), req(2, PROMPTS[2], 40, 1e5)]
     res = run_to_completion(engine, [engine.submit(r) for r in reqs])
     for i, r in enumerate(reqs):
         assert res["tokens"][r.id] == hf_greedy(target_dir, PROMPTS[i], r.sampling.max_tokens)
+    drafted = [ids for ids, _ in calls]
     if margin is None:
         assert drafted == []  # nor for r1, r2: a batch of two, one SLO level
     else:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from adaserve.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from adaserve.model.llama import LlamaModel
 
 QUANTIZATIONS = ("none", "int8")
 
@@ -44,7 +45,7 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(x, self._packed, True)
 
 
-def quantize_int8(model: nn.Module) -> int:
+def quantize_int8(model: LlamaModel) -> int:
     """Swap every linear layer of a one-rank fp32 CPU model (and its LM head, when it is
     not tied to the embedding) for an Int8Linear, in place. Returns how many."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
@@ -60,13 +61,9 @@ def quantize_int8(model: nn.Module) -> int:
             weight = child.weight_t
             if weight.device.type != "cpu" or weight.dtype != torch.float32:
                 raise ValueError("int8 quantization runs on the CPU, from float32 weights")
-            if isinstance(child, ParallelLMHead) and _tied(model, child):
-                continue  # shares the embedding's tensor; the lookup needs it as it is
+            if weight is model.embed.weight_t:
+                continue  # a tied LM head: the embedding lookup needs the tensor as it is
             setattr(parent, name, Int8Linear(weight, getattr(child, "bias", None)))
             swapped += 1
     return swapped
 
-
-def _tied(model: nn.Module, head: ParallelLMHead) -> bool:
-    embed = getattr(model, "embed", None)
-    return embed is not None and head.weight_t is getattr(embed, "weight_t", None)
