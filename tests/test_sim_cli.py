@@ -146,12 +146,25 @@ def test_sweeps_write_csv_and_plots(workload_file, tmp_path, kind, values):
         ([], "--policy is required"),
         (["--policy", "cb", "--rps", "-1"], "rps"),
         (["--policy", "cb", "--set", "oops"], "KEY=VALUE"),
+        (["--policy", "cb", "--phase-window", "0"], "phase window"),
+        (["--sweep", "rps", "--phase-window", "1"], "single runs"),
     ],
 )
 def test_bad_input_is_a_clear_error(workload_file, tmp_path, capsys, args, message):
     rc = main(["simulate", str(workload_file), "--out", str(tmp_path / "x"), *args])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_phase_windows_in_the_summary(workload_file, tmp_path):
+    out = tmp_path / "run"
+    args = ["simulate", str(workload_file), "--policy", "adaserve", "--out", str(out)]
+    assert main([*args, "--no-plots", "--quiet", "--phase-window", "0.5"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    windows = s["phase_windows"]["windows"]
+    assert s["phase_windows"]["window_s"] == 0.5 and windows[1]["t_s"] == 0.5
+    assert sum(w["iterations"] for w in windows) == s["iterations"] > 0
+    assert sum(w["verify_ms"] for w in windows) == pytest.approx(s["verify_ms_total"])
 
 
 def test_missing_workload(tmp_path, capsys):

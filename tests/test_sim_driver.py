@@ -172,3 +172,58 @@ def test_planner_gets_the_profiles_draft_cost_in_verify_tokens():
     adaptive = settings.scheduler.adaptive
     assert adaptive.draft_cost_tokens == pytest.approx(20.62, rel=1e-3)
     assert (adaptive.d_max, adaptive.c1) == (6, -8)  # the workload's own settings stay
+
+
+def _profile_file(tmp_path, name: str, k: float, trace: list[dict] | None) -> str:
+    """LLAMA with its tables times `k` and `trace` as its speed trace; no iteration
+    overhead and a pinned SLO baseline, so only the charged costs differ."""
+    import yaml
+
+    from adaserve.sim.costmodel import load_profile
+
+    prof = load_profile(LLAMA).model_dump()
+    prof["verify"]["ms"] = [[k * m for m in row] for row in prof["verify"]["ms"]]
+    prof["draft_step"]["ms"] = [k * m for m in prof["draft_step"]["ms"]]
+    prof["prefill"]["ms"] = [k * m for m in prof["prefill"]["ms"]]
+    prof["iteration_overhead_ms"] = 0.0
+    prof["baseline_tpot_ms"] = load_profile(LLAMA).baseline_ms()
+    prof["speed_trace"] = trace or []
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(prof))
+    return str(path)
+
+
+@pytest.mark.parametrize("k", [2.0, 0.5])
+def test_constant_speed_trace_equals_scaled_tables(tmp_path, k):
+    """A speed trace of constant factor k simulates exactly what the profile with its
+    verify, draft and prefill tables multiplied by k does (k a power of two: exact)."""
+    trace = [{"t_s": 0.0, "verify": k, "draft": k, "prefill": k}]
+    traced = small_workload(profile=_profile_file(tmp_path, "traced", 1.0, trace))
+    scaled = small_workload(profile=_profile_file(tmp_path, "scaled", k, None))
+    a = simulate(traced, "adaserve", phase_window_s=2.0)
+    b = simulate(scaled, "adaserve", phase_window_s=2.0)
+    assert _strip(a.summary) == _strip(b.summary)
+    assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
+    plain = simulate(
+        small_workload(profile=_profile_file(tmp_path, "plain", 1.0, None)), "adaserve"
+    )
+    assert plain.summary["verify_ms_total"] != a.summary["verify_ms_total"]
+
+
+def test_phase_windows_add_up_to_the_run_totals(tmp_path):
+    trace = [{"t_s": 2.0, "verify": 2.0, "draft": 2.0, "prefill": 2.0}, {"t_s": 4.0}]
+    res = simulate(
+        small_workload(profile=_profile_file(tmp_path, "p", 1.0, trace)),
+        "adaserve",
+        phase_window_s=1.5,
+    )
+    s = res.summary
+    pw = s["phase_windows"]
+    assert pw["window_s"] == 1.5
+    assert [w["t_s"] for w in pw["windows"]] == [1.5 * i for i in range(len(pw["windows"]))]
+    assert sum(w["iterations"] for w in pw["windows"]) == s["iterations"]
+    for key in ("verify_ms", "draft_ms", "prefill_ms"):
+        assert sum(w[key] for w in pw["windows"]) == pytest.approx(s[f"{key}_total"])
+    assert "phase_windows" not in simulate(small_workload(), "adaserve").summary
+    with pytest.raises(ValueError, match="phase window"):
+        simulate(small_workload(), "adaserve", phase_window_s=0.0)

@@ -21,7 +21,7 @@ from adaserve.sim.acceptance import (
     load_trace,
 )
 from adaserve.sim.clock import VirtualClock
-from adaserve.sim.costmodel import Curve, Surface, load_profile
+from adaserve.sim.costmodel import Curve, HardwareProfile, Surface, load_profile
 from adaserve.sim.drafter import SimDrafter
 from adaserve.sim.target import SimTarget
 from adaserve.sim.workload import LengthDist, Workload
@@ -63,6 +63,75 @@ def test_cost_tables_interpolate_and_extrapolate():
 def test_bad_curves_are_rejected(bad):
     with pytest.raises(ValidationError):
         Curve(**bad)
+
+
+def _with_trace(trace: list[dict]) -> HardwareProfile:
+    return HardwareProfile(**{**load_profile(LLAMA).model_dump(), "speed_trace": trace})
+
+
+def test_speed_trace_factor_in_force_at_t():
+    p = _with_trace([{"t_s": 5, "verify": 2.0, "draft": 3.0}, {"t_s": 10, "prefill": 0.5}])
+    # before the first entry, and untimed (planning) lookups: 1
+    assert p.speed("verify", 0.0) == p.speed("verify", 4.999) == p.speed("verify", None) == 1.0
+    # each entry holds from its t_s (inclusive) until the next one's; unset factors are 1
+    at = {t: (p.speed("verify", t), p.speed("draft", t), p.speed("prefill", t)) for t in (5, 9.99)}
+    assert at == {5: (2.0, 3.0, 1.0), 9.99: (2.0, 3.0, 1.0)}
+    assert [p.speed(ph, 10.0) for ph in ("verify", "draft", "prefill")] == [1.0, 1.0, 0.5]
+    assert p.speed("prefill", 1e9) == 0.5  # the last entry holds forever
+    assert load_profile(LLAMA).speed("verify", 3.0) == 1.0  # no trace
+    # planning constants read the tables alone
+    assert p.baseline_ms() == load_profile(LLAMA).baseline_ms()
+
+
+@pytest.mark.parametrize(
+    "trace",
+    [
+        [{"t_s": 5}, {"t_s": 2}],  # unsorted
+        [{"t_s": 5}, {"t_s": 5}],  # two entries at one time
+        [{"t_s": -1}],
+        [{"t_s": 0, "verify": 0.0}],
+        [{"t_s": 0, "draft": -1.0}],
+        [{"t_s": 0, "prefill": float("inf")}],
+        [{"t_s": 0, "decode": 2.0}],  # not a phase
+    ],
+)
+def test_bad_speed_traces_are_rejected(trace):
+    with pytest.raises(ValidationError):
+        _with_trace(trace)
+
+
+def test_costs_double_in_a_window_with_factor_two():
+    base = load_profile(LLAMA)
+    p = _with_trace(
+        [
+            {"t_s": 10, "verify": 2.0, "draft": 2.0, "prefill": 2.0},
+            {"t_s": 20, "verify": 1.0, "draft": 1.0, "prefill": 1.0},
+        ]
+    )
+    overhead = p.iteration_overhead_ms  # host time, not scaled
+    for t, k in ((9.9, 1.0), (10.0, 2.0), (19.9, 2.0), (20.0, 1.0)):
+        assert p.verify_ms(64, 1000, t) - overhead == k * (base.verify_ms(64, 1000) - overhead)
+        assert p.draft_ms(64, t) == k * base.draft_ms(64)
+        assert p.prefill_ms(300, t) == k * base.prefill_ms(300)
+
+    # the modelled target and drafter charge the factor at their clock's time
+    def charged(start_s: float) -> tuple[float, float, float]:
+        clock = VirtualClock(start_s)
+        target = SimTarget(p, clock, CalibratedAcceptance(), np.random.default_rng(0))
+        sampler = BetaDraft(DraftShape())
+        drafter = SimDrafter(p, clock, lambda _id: sampler, np.random.default_rng(0))
+        t0 = clock.now
+        target.prefill([("a", [1] * 100, SamplingParams(), None)])
+        t1 = clock.now
+        (tree,) = drafter.speculate(_updates(["a"]), depth=3, width=2)
+        t2 = clock.now
+        target.verify([VerifyItem("a", tree, SamplingParams(max_tokens=99), None, 99)])
+        return tuple(1000 * d for d in (t1 - t0, t2 - t1, clock.now - t2))
+
+    outside, inside = charged(2.0), charged(12.0)
+    assert inside[0] == pytest.approx(2 * outside[0])  # prefill
+    assert inside[1] == pytest.approx(2 * outside[1])  # draft
+    assert inside[2] - overhead == pytest.approx(2 * (outside[2] - overhead))  # verify
 
 
 def test_unknown_profile_names_the_shipped_ones():

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,9 @@ def _serve(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     bar = tqdm(total=len(requests), desc="requests", disable=args.quiet, file=sys.stderr)
+    # the trace's time 0, as wall-clock time (arrivals count from here, within the few ms
+    # the HTTP client takes to start), so other clocks can be aligned with the run
+    started_unix_s = time.time()
     records = asyncio.run(replay(requests, target, progress=lambda _r: bar.update(1)))
     bar.close()
     summary = summarize(
@@ -104,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=seed,
         baseline_tpot_ms=baseline,
         errors=sum(r.finish_reason not in ("stop", "length") for r in records),
+        started_unix_s=started_unix_s,
     )
     paths = write_run(Path(args.out), summary, records, plot=not args.no_plots)
     if not args.quiet:

@@ -1,6 +1,7 @@
 """`adaserve simulate`: replay a workload on modelled hardware through the real engine.
 
     adaserve simulate WORKLOAD.yaml --policy P [--k K] --rps R [--duration S] [--seed N] --out DIR
+        [--phase-window SECONDS]
     adaserve simulate WORKLOAD.yaml --sweep rps|urgent|slo-scale --out DIR [--policies a,b]
 
 A single run writes DIR/summary.json, DIR/requests.jsonl and DIR/latency.png; a sweep
@@ -41,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="adaserve setting override, e.g. scheduler.budget=128 (repeatable)",
     )
+    p.add_argument(
+        "--phase-window",
+        type=float,
+        metavar="SECONDS",
+        help="also write verify / draft / prefill ms and iterations per window of "
+        "simulated time into summary.json (phase_windows; single runs only)",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")
 
@@ -54,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         if overrides:
             workload = _with_overrides(workload, overrides)
         if args.sweep:
+            if args.phase_window is not None:
+                raise ValueError("--phase-window is for single runs, not --sweep")
             return _sweep(args, workload)
         if not args.policy:
             raise ValueError("--policy is required (or --sweep)")
@@ -76,6 +86,7 @@ def _single(args: argparse.Namespace, workload) -> int:
         duration_s=args.duration,
         seed=args.seed,
         k=args.k if args.policy == "spec" else None,
+        phase_window_s=args.phase_window,
     )
     paths = write_run(Path(args.out), result.summary, result.records, plot=not args.no_plots)
     if not args.quiet:

@@ -12,16 +12,30 @@ writes the same format for the machine at hand):
     draft_step: {tokens: [1, 256, 1024], ms: [4.5, 6.5, 14]}   # one drafter forward
     prefill: {tokens: [1, 1024, 8192], ms: [28, 205, 1560]}    # target prefill
     kv_capacity_tokens: 500000
+    iteration_overhead_ms: 0.5   # host work per iteration, added to every verify
+    speed_trace:     # optional: the hardware's slowdown over simulated time
+      - {t_s: 0, verify: 1.1, draft: 1.3, prefill: 0.9}
+      - {t_s: 10, verify: 1.6, draft: 2.0, prefill: 1.4}
 
 Between points latency is linear; beyond the last point it continues the last segment
 (a forward twice as large costs about twice as much; a falling last segment, noise in a
 measured table, is held flat), below the first it is clamped.
+
+`speed_trace` is piecewise constant: each entry's factors hold from its `t_s` (seconds
+of simulated time since the trace starts) until the next entry's; before the first
+entry, and without the field, every factor is 1. A verify, a draft step or a prefill
+that starts at simulated time t costs its table's latency times the factor in force at
+t (a factor left out of an entry is 1). `iteration_overhead_ms` is not scaled. Planning
+constants (the SLO baseline, the draft cost in verify tokens) read the tables alone.
+`validate_cpu.py` fits such a trace to a drifting host.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import yaml
@@ -97,6 +111,19 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
     return float(np.interp(x, xs, ys))
 
 
+Phase = Literal["verify", "draft", "prefill"]
+
+
+class SpeedPoint(BaseModel):
+    """One entry of a profile's `speed_trace`: cost factors from `t_s` on."""
+
+    model_config = ConfigDict(extra="forbid")
+    t_s: float = Field(ge=0.0, allow_inf_nan=False)
+    verify: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    draft: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    prefill: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+
+
 class HardwareProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -115,15 +142,32 @@ class HardwareProfile(BaseModel):
     budget: PositiveInt = 256  # verifier tokens per iteration (the knee), engine default
     # Per-token latency of plain decoding at near-zero load; None -> derived (below).
     baseline_tpot_ms: PositiveFloat | None = None
+    # The hardware's slowdown over simulated time (module docstring); empty: none.
+    speed_trace: list[SpeedPoint] = Field(default_factory=list)
 
-    def verify_ms(self, tree_tokens: int, context_tokens: int) -> float:
-        return self.verify(tree_tokens, context_tokens) + self.iteration_overhead_ms
+    @model_validator(mode="after")
+    def _check_trace(self) -> HardwareProfile:
+        times = [p.t_s for p in self.speed_trace]
+        if any(b <= a for a, b in itertools.pairwise(times)):
+            raise ValueError(f"speed_trace t_s must be strictly increasing, got {times}")
+        return self
 
-    def draft_ms(self, tokens: int) -> float:
-        return self.draft_step(tokens) if tokens > 0 else 0.0
+    def speed(self, phase: Phase, at_s: float | None) -> float:
+        """The factor on `phase`'s cost at simulated time `at_s` (None: untimed, 1)."""
+        if at_s is None or not self.speed_trace:
+            return 1.0
+        i = bisect.bisect_right(self.speed_trace, at_s, key=lambda p: p.t_s)
+        return getattr(self.speed_trace[i - 1], phase) if i else 1.0
 
-    def prefill_ms(self, tokens: int) -> float:
-        return self.prefill(tokens) if tokens > 0 else 0.0
+    def verify_ms(self, tree_tokens: int, context_tokens: int, at_s: float | None = None) -> float:
+        table = self.verify(tree_tokens, context_tokens)
+        return table * self.speed("verify", at_s) + self.iteration_overhead_ms
+
+    def draft_ms(self, tokens: int, at_s: float | None = None) -> float:
+        return self.draft_step(tokens) * self.speed("draft", at_s) if tokens > 0 else 0.0
+
+    def prefill_ms(self, tokens: int, at_s: float | None = None) -> float:
+        return self.prefill(tokens) * self.speed("prefill", at_s) if tokens > 0 else 0.0
 
     def baseline_ms(self) -> float:
         """Paper 000's recipe (BASELINE_BATCH, BASELINE_CONTEXT)."""
@@ -151,4 +195,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
 
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(profile.model_dump(), sort_keys=False))
+    data = profile.model_dump()
+    if not data["speed_trace"]:  # a measured profile has none: keep the file as it was
+        del data["speed_trace"]
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

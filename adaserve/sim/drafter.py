@@ -2,7 +2,8 @@
 
 Implements the engine's `Drafter` interface. Each call runs a real beam search, over
 synthetic top-k distributions from the acceptance model instead of a small model's
-logits, and advances the virtual clock by the profile's draft-step latency: the first
+logits, and advances the virtual clock by the profile's draft-step latency (times the
+profile's speed factor at the clock's time when the call starts): the first
 forward takes every newly committed token (the root included, a whole prompt for a new
 request), each further layer one token per beam (n * w).
 """
@@ -37,6 +38,7 @@ class SimDrafter:
         self._len: dict[str, int] = {}  # committed tokens this drafter holds per request
         self._last: dict[str, int] = {}
         self.draft_ms_total = 0.0
+        self.draft_log: list[tuple[float, float]] = []  # (simulated start s, ms) per call
 
     def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
         lost = [
@@ -60,10 +62,12 @@ class SimDrafter:
         else:
             layers = self._beam_layers(updates, depth, max(1, width))
         # Forward 1 reads the new tokens; forward l >= 2 reads layer l - 1.
-        ms = self.profile.draft_ms(new_tokens)
-        ms += sum(self.profile.draft_ms(n * q.shape[1]) for _, q in layers[:-1])
+        start = self.clock.now
+        ms = self.profile.draft_ms(new_tokens, start)
+        ms += sum(self.profile.draft_ms(n * q.shape[1], start) for _, q in layers[:-1])
         self.clock.advance_ms(ms)
         self.draft_ms_total += ms
+        self.draft_log.append((start, ms))
         return self._trees(updates, layers)
 
     def release(self, ids: list[str]) -> None:

@@ -98,9 +98,14 @@ def simulate(
     seed: int | None = None,
     k: int | None = None,
     overrides: dict[str, Any] | None = None,
+    phase_window_s: float | None = None,
 ) -> SimResult:
     """Replay `workload` under `policy`. `overrides` are adaserve Settings applied over the
-    workload's own (a policy's settings still win: spec-K always verifies its chain)."""
+    workload's own (a policy's settings still win: spec-K always verifies its chain).
+    `phase_window_s`: also report phase time per window of simulated time
+    (`phase_windows` in the summary, see `phase_windows`)."""
+    if phase_window_s is not None and not phase_window_s > 0:
+        raise ValueError(f"phase window must be > 0 seconds, got {phase_window_s}")
     if overrides:
         workload = workload.model_copy(
             update={"settings": merge_settings(workload.settings, overrides)}
@@ -150,7 +155,42 @@ def simulate(
         rps,
         **_extras(units, settings, profile, duration_s, seed, wall, workload),
     )
+    if phase_window_s is not None:
+        summary["phase_windows"] = phase_windows(units, phase_window_s)
     return SimResult(summary, records, units, settings)
+
+
+def phase_windows(units: list[Unit], window_s: float) -> dict[str, Any]:
+    """Phase time per window of `window_s` seconds of simulated time, over all units:
+    window i covers [i * window_s, (i + 1) * window_s) and holds the verify, draft and
+    prefill ms charged by calls that started in it (verify includes the profile's
+    iteration overhead, as `verify_ms_total` does) and its iterations (verifies)."""
+    logs = {
+        "verify_ms": [e for u in units for e in u.target.stats.verify_log],
+        "draft_ms": [e for u in units if u.drafter for e in u.drafter.draft_log],
+        "prefill_ms": [e for u in units for e in u.target.stats.prefill_log],
+    }
+    last = max((t for log in logs.values() for t, _ in log), default=0.0)
+    n = int(last // window_s) + 1
+
+    def binned(log: list[tuple[float, float]], weights: bool = True) -> np.ndarray:
+        idx = np.array([int(t // window_s) for t, _ in log], dtype=np.int64)
+        w = np.array([ms for _, ms in log]) if weights else None
+        return np.bincount(idx, weights=w, minlength=n)
+
+    sums = {k: binned(log) for k, log in logs.items()}
+    iters = binned(logs["verify_ms"], weights=False)
+    return {
+        "window_s": window_s,
+        "windows": [
+            {
+                "t_s": i * window_s,
+                "iterations": int(iters[i]),
+                **{k: float(v[i]) for k, v in sums.items()},
+            }
+            for i in range(n)
+        ],
+    }
 
 
 def _run(units: list[Unit], requests: list[SimRequest], spec: PolicySpec) -> list[RequestRecord]:

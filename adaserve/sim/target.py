@@ -1,7 +1,8 @@
 """The modelled target: verification latency from the profile, acceptance from the model.
 
 Implements the engine's `TargetModel` interface. `verify` advances the virtual clock by
-the profile's verify latency for the batch's tree tokens and cached context, then walks
+the profile's verify latency for the batch's tree tokens and cached context (times the
+profile's speed factor at the clock's time when it starts), then walks
 every tree: at an accepted node the target picks child c with probability g(q_c) (the
 calibration; siblings exclusive) or none of them, so a node is accepted with
 probability prod g(q) along its path (= f(v) when g(q) = q). The bonus token is a
@@ -41,6 +42,10 @@ class TargetStats:
     prefill_tokens: int = 0
     # per iteration: (batch size, tree tokens verified)
     batches: list[tuple[int, int]] = field(default_factory=list)
+    # (simulated start time s, ms charged) of every verify (one per iteration) and
+    # prefill: phase time per window of simulated time (driver.phase_windows)
+    verify_log: list[tuple[float, float]] = field(default_factory=list)
+    prefill_log: list[tuple[float, float]] = field(default_factory=list)
 
 
 class SimTarget:
@@ -74,9 +79,11 @@ class SimTarget:
             self._ctx[seq_id] = len(prompt)
             self._ctx_total += len(prompt)
             tokens += len(prompt)
-        ms = self.profile.prefill_ms(tokens)
+        start = self.clock.now
+        ms = self.profile.prefill_ms(tokens, start)
         self.clock.advance_ms(ms)
         self.stats.prefill_ms += ms
+        self.stats.prefill_log.append((start, ms))
         self.stats.prefill_tokens += tokens
         return self.rng.integers(1, self.vocab_size, size=len(items)).tolist()
 
@@ -87,7 +94,8 @@ class SimTarget:
         sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
         tree_tokens = int(sizes.sum())
         context = sum(self._ctx.get(it.seq_id, 0) for it in items)
-        ms = self.profile.verify_ms(tree_tokens, context)
+        start = self.clock.now
+        ms = self.profile.verify_ms(tree_tokens, context, start)
         self.clock.advance_ms(ms)
 
         accepted = self._walk(trees, sizes)
@@ -117,6 +125,7 @@ class SimTarget:
         st.request_steps += len(items)
         st.drafted_verified += tree_tokens - len(items)
         st.verify_ms += ms
+        st.verify_log.append((start, ms))
         st.batches.append((len(items), tree_tokens))
         return results
 
