@@ -7,6 +7,9 @@
 #   MODE=smoke: a short run on the truncated target that the parts kept so far make
 #   MODE=full:  every part kept: generate, train L2/L3/L4, collect into $OUT
 # Knobs: GEN_S, TRAIN_S, GEN_BATCH, BATCH_TOKENS, PASSES, LAYERS, NPARTS, EXTRA.
+# KEEP_WORK=1 keeps the last call's work dir (its generated data and checkpoint), so a
+# run longer than one device call goes on in the next one: EXTRA=--resume there, and
+# TRAIN_S counts the training time of both calls.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
@@ -25,8 +28,13 @@ done
 echo "kept: $(ls $KEEP | tr '\n' ' ')"
 [ "$MODE" = stash ] && exit 0
 PARTS=$(ls -d $KEEP/target[0-9]* | sort)
-rm -rf /tmp/distill_target /tmp/distill_work /tmp/distill_dout && mkdir -p /tmp/distill_work
-cp $KEEP/prompts.json /tmp/distill_work/
+if [ "${KEEP_WORK:-0}" = 1 ] && [ -d /tmp/distill_work ]; then
+  echo "kept work dir: $(ls /tmp/distill_work | tr '\n' ' ')"
+  rm -rf /tmp/distill_target /tmp/distill_dout
+else
+  rm -rf /tmp/distill_target /tmp/distill_work /tmp/distill_dout && mkdir -p /tmp/distill_work
+  cp $KEEP/prompts.json /tmp/distill_work/
+fi
 if [ "$MODE" = full ] && [ "$(echo "$PARTS" | wc -l)" -lt "$NPARTS" ]; then
   echo "only $(echo "$PARTS" | wc -l) of $NPARTS target parts are kept (a fresh machine?)"; exit 3
 fi
