@@ -37,7 +37,6 @@ class SimDrafter:
         self.expansion = expansion  # static tree shape (SpecInfer); None -> beam trees
         self._len: dict[str, int] = {}  # committed tokens this drafter holds per request
         self._last: dict[str, int] = {}
-        self.draft_ms_total = 0.0
         self.draft_log: list[tuple[float, float]] = []  # (simulated start s, ms) per call
 
     def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
@@ -66,9 +65,12 @@ class SimDrafter:
         ms = self.profile.draft_ms(new_tokens, start)
         ms += sum(self.profile.draft_ms(n * q.shape[1], start) for _, q in layers[:-1])
         self.clock.advance_ms(ms)
-        self.draft_ms_total += ms
         self.draft_log.append((start, ms))
         return self._trees(updates, layers)
+
+    @property
+    def draft_ms_total(self) -> float:
+        return sum(ms for _, ms in self.draft_log)
 
     def release(self, ids: list[str]) -> None:
         for i in ids:
