@@ -33,6 +33,7 @@ def build_engine(settings: Settings) -> Engine:
         kv_blocks=settings.engine.kv_blocks,
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
+        cpu_kernel=ms.cpu_kernel,
     )
     tokenizer = load_tokenizer(target_dir)
     if settings.slo.baseline_tpot_ms == "auto":
@@ -75,6 +76,7 @@ def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
         quantization=ms.drafter_quantization,
+        cpu_kernel=ms.cpu_kernel,
     )
     return BeamDrafter(runner)
 

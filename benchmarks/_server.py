@@ -17,15 +17,22 @@ from adaserve.commands.up import free_port
 __all__ = ["free_port", "start_up", "stop_up"]
 
 
-def start_up(args: list[str], port: int, log: Path, timeout_s: float = 600.0) -> subprocess.Popen:
-    """`adaserve up --port PORT ARGS...` with its output in `log`, once /ready answers."""
+def start_up(
+    args: list[str],
+    port: int,
+    log: Path,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """`adaserve up --port PORT ARGS...` with its output in `log`, once /ready answers;
+    `env` adds environment variables (settings such as ADASERVE_MODEL__CPU_KERNEL)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "adaserve", "up", "--port", str(port), *args],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

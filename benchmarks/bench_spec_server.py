@@ -11,7 +11,12 @@ adjacent rounds see the same machine).
 Outputs must be token-identical between the two servers (the lossless invariant);
 the script says so when they are not.
 
+`--plain-cpu-kernel mkl` adds a third server, speculation off on MKL's linear layers
+instead of the packed kernel (adaserve/model/cpu_gemm.py), which is MKL's own best case
+for one token: the speculative server is then also compared with that.
+
     .venv/bin/python benchmarks/bench_spec_server.py [--concurrency 1 8] [--max-tokens 96]
+        [--plain-cpu-kernel mkl]
 """
 
 from __future__ import annotations
@@ -79,6 +84,12 @@ def main() -> int:
         default="configs/embedded-cpu.yaml",
         help="settings YAML for both servers ('' for the defaults)",
     )
+    p.add_argument(
+        "--plain-cpu-kernel",
+        choices=["mkl"],
+        default=None,
+        help="also run speculation off with this CPU linear kernel",
+    )
     args = p.parse_args()
 
     results: dict = {"load_before": os.getloadavg(), "rows": []}
@@ -87,6 +98,11 @@ def main() -> int:
     # Both servers stay up and rounds alternate (speculative, plain, speculative, ...):
     # an idle server costs nothing, and load drifts on a shared machine hit both alike.
     modes = {"speculative": args.drafter, "plain": "none"}
+    env: dict[str, dict[str, str]] = {}
+    if args.plain_cpu_kernel:
+        other = f"plain-{args.plain_cpu_kernel}"
+        modes[other] = "none"
+        env[other] = {"ADASERVE_MODEL__CPU_KERNEL": args.plain_cpu_kernel}
     ports: dict[str, int] = {}
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -94,7 +110,8 @@ def main() -> int:
             # picked only now: the first server's services take free ports as they start
             ports[mode] = free_port()
             up_args = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
-            procs[mode] = start_up(up_args, ports[mode], Path(args.out) / f"up-{mode}.log")
+            log = Path(args.out) / f"up-{mode}.log"
+            procs[mode] = start_up(up_args, ports[mode], log, env=env.get(mode))
             asyncio.run(one_round(ports[mode], 1, 8))  # warm-up
         for c in args.concurrency:
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -123,24 +140,23 @@ def main() -> int:
     finally:
         for proc in procs.values():
             stop_up(proc)
-    print("\nconcurrency  speculative  plain   ratio  identical output")
-    for c in args.concurrency:
-        spec = next(
-            r for r in results["rows"] if r["mode"] == "speculative" and r["concurrency"] == c
-        )
-        plain = next(r for r in results["rows"] if r["mode"] == "plain" and r["concurrency"] == c)
-        ratio = statistics.median(
-            a / b for a, b in zip(spec["tokens_per_s"], plain["tokens_per_s"], strict=True)
-        )
-        same = texts[("speculative", c)] == texts[("plain", c)]
-        results.setdefault("summary", []).append(
-            {"concurrency": c, "ratio": ratio, "identical": same}
-        )
-        print(
-            f"{c:11d}  {spec['tokens_per_s_median']:11.1f}  {plain['tokens_per_s_median']:6.1f}"
-            f"  {ratio:5.2f}  {same}"
-        )
-    print("(ratio: median over rounds of speculative / the plain round beside it)")
+    for base in [m for m in modes if m != "speculative"]:
+        print(f"\nconcurrency  speculative  {base:>9s}   ratio  identical output")
+        for c in args.concurrency:
+            rows = {r["mode"]: r for r in results["rows"] if r["concurrency"] == c}
+            spec, plain = rows["speculative"], rows[base]
+            ratio = statistics.median(
+                a / b for a, b in zip(spec["tokens_per_s"], plain["tokens_per_s"], strict=True)
+            )
+            same = texts[("speculative", c)] == texts[(base, c)]
+            results.setdefault("summary", []).append(
+                {"concurrency": c, "baseline": base, "ratio": ratio, "identical": same}
+            )
+            print(
+                f"{c:11d}  {spec['tokens_per_s_median']:11.1f}  "
+                f"{plain['tokens_per_s_median']:9.1f}  {ratio:5.2f}  {same}"
+            )
+    print("(ratio: median over rounds of speculative / the baseline round beside it)")
     results["load_after"] = os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

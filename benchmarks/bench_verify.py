@@ -8,7 +8,12 @@ machine's load hit all sizes alike. Prints a table, writes JSON and a PNG, and n
 the knee: where latency stops being flat in n (max distance below the chord,
 "Kneedle"), the default token budget B for this hardware.
 
+On a CPU, `--cpu-kernel auto mkl` measures the same forwards on adaserve's packed
+few-row kernel and on MKL side by side (same round-robin, one runner each) and prints
+their ratio (adaserve/model/cpu_gemm.py); the budget comes from the first.
+
     .venv/bin/python benchmarks/bench_verify.py [--model embedded] [--device cpu]
+        [--cpu-kernel auto mkl]
 """
 
 from __future__ import annotations
@@ -92,41 +97,65 @@ def main() -> None:
         default="wall",
         help="cpu: this process's CPU time (with --threads 1, robust on a shared machine)",
     )
+    ap.add_argument(
+        "--cpu-kernel",
+        nargs="+",
+        choices=["auto", "mkl"],
+        default=["auto"],
+        help="CPU linear kernel(s); two are measured side by side",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    runner = load_runner(args.model, args.device, args.dtype, kv_memory_gb=0.5)
+    kernels = list(dict.fromkeys(args.cpu_kernel))
+    runners = {
+        kern: load_runner(args.model, args.device, args.dtype, kv_memory_gb=0.5, cpu_kernel=kern)
+        for kern in kernels
+    }
+    runner = runners[kernels[0]]
     dev = runner.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rng = np.random.default_rng(0)
-    runner.add_sequence("bench")
     prefix = rng.integers(100, runner.vocab_size, args.prefix)
-    runner.forward([SeqInput.chain("bench", prefix)], last_only=True)
-    runner.commit("bench", range(args.prefix))
+    for r in runners.values():
+        r.add_sequence("bench")
+        r.forward([SeqInput.chain("bench", prefix)], last_only=True)
+        r.commit("bench", range(args.prefix))
     trees = {
         n: (rng.integers(100, runner.vocab_size, n).astype(np.int32), beam_tree(n))
         for n in args.sizes
     }
-    for n in args.sizes:  # warm-up: allocator, kernels, caches
-        time_forward(runner, "bench", *trees[n], sync, clock)
-    samples: dict[int, list[float]] = {n: [] for n in args.sizes}
+    for r in runners.values():
+        for n in args.sizes:  # warm-up: allocator, kernels, caches
+            time_forward(r, "bench", *trees[n], sync, clock)
+    samples = {kern: {n: [] for n in args.sizes} for kern in kernels}
     for _ in range(args.reps):
         for n in args.sizes:
-            samples[n].append(time_forward(runner, "bench", *trees[n], sync, clock) * 1e3)
-    med = [statistics.median(samples[n]) for n in args.sizes]
+            for kern, r in runners.items():
+                samples[kern][n].append(time_forward(r, "bench", *trees[n], sync, clock) * 1e3)
+    meds = {kern: [statistics.median(samples[kern][n]) for n in args.sizes] for kern in kernels}
+    med = meds[kernels[0]]
     k, rule = choose_budget(args.sizes, med)
 
     print(
         f"verifier forward, prefix {args.prefix}, {dev} {runner.dtype}, "
         f"threads {torch.get_num_threads()}, {args.clock} clock, load avg {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'tokens':>6} {'median ms':>10} {'min ms':>8} {'ms/token':>9} {'tok/s':>8}")
-    for n, m in zip(args.sizes, med, strict=True):
-        print(f"{n:>6} {m:>10.1f} {min(samples[n]):>8.1f} {m / n:>9.2f} {n / m * 1e3:>8.0f}")
-    print(f"default budget B = {k} tokens: {rule}")
+    for kern in kernels:
+        print(f"cpu kernel {kern}:")
+        print(f"{'tokens':>6} {'median ms':>10} {'min ms':>8} {'ms/token':>9} {'tok/s':>8}")
+        for n, m in zip(args.sizes, meds[kern], strict=True):
+            low = min(samples[kern][n])
+            print(f"{n:>6} {m:>10.1f} {low:>8.1f} {m / n:>9.2f} {n / m * 1e3:>8.0f}")
+    if len(kernels) == 2:
+        a, b = kernels
+        print(f"{'tokens':>6} {f'{b} / {a} (median ms)':>22}")
+        for n, x, y in zip(args.sizes, meds[a], meds[b], strict=True):
+            print(f"{n:>6} {y / x:>22.2f}")
+    print(f"default budget B = {k} tokens ({kernels[0]}): {rule}")
 
     tag = f"{dev.type}-{str(runner.dtype).removeprefix('torch.')}"
     out = args.out or Path(f"benchmarks/results/verify_{tag}.json")
@@ -142,24 +171,32 @@ def main() -> None:
         "load_avg": os.getloadavg()[0],
         "budget_tokens": k,
         "budget_rule": rule,
+        "cpu_kernels": kernels,
         "rows": [
-            {"tokens": n, "median_ms": m, "samples_ms": samples[n]}
-            for n, m in zip(args.sizes, med, strict=True)
+            {
+                "tokens": n,
+                "median_ms": med[i],
+                "samples_ms": samples[kernels[0]][n],
+                **{f"median_ms_{kern}": meds[kern][i] for kern in kernels},
+            }
+            for i, n in enumerate(args.sizes)
         ],
     }
     out.write_text(json.dumps(result, indent=2))
-    _plot(args.sizes, med, k, out.with_suffix(".png"), f"{args.model} on {tag}")
+    _plot(args.sizes, meds, k, out.with_suffix(".png"), f"{args.model} on {tag}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
-def _plot(sizes: list[int], med: list[float], k: int, path: Path, title: str) -> None:
+def _plot(sizes: list[int], meds: dict[str, list[float]], k: int, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(sizes, med, "o-", label="median forward latency")
+    for kern, med in meds.items():
+        label = "median forward latency" + (f" ({kern})" if len(meds) > 1 else "")
+        ax.plot(sizes, med, "o-", label=label)
     ax.axvline(k, color="gray", ls="--", label=f"budget B = {k} tokens")
     ax.set_xlabel("tree tokens verified in one forward")
     ax.set_ylabel("latency (ms)")

@@ -58,7 +58,8 @@ def test_every_linear_is_int8_and_the_logits_stay_close(request, fixture, expect
 
 
 def test_quantization_is_refused_where_it_cannot_run(model_dir):
-    runner = load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=64)
+    # MKL layers: the packed CPU kernel (cpu_gemm.py) would have replaced them
+    runner = load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=64, cpu_kernel="mkl")
     with pytest.raises(ValueError, match="none \\| int8"):
         load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=64, quantization="int4")
     runner.model.to(torch.bfloat16)

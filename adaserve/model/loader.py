@@ -122,10 +122,13 @@ def load_runner(
     attention_backend: str = "auto",
     threads: int | None = None,
     quantization: str = "none",
+    cpu_kernel: str = "auto",
 ) -> ModelRunner | TPRunner:
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
     and returns a TPRunner with the same interface. `quantization` "int8" is for a CPU
-    drafter only (adaserve/model/quantize.py)."""
+    drafter only (adaserve/model/quantize.py); `cpu_kernel` "auto" runs a one-rank fp32
+    CPU model's linear layers on the packed kernel where it builds, "mkl" on MKL
+    (adaserve/model/cpu_gemm.py)."""
     path = resolve_model(spec, role)
     kwargs: dict[str, Any] = dict(
         kv_block_size=kv_block_size,
@@ -134,6 +137,7 @@ def load_runner(
         max_model_len=max_model_len,
         attention_backend=attention_backend,
         quantization=quantization,
+        cpu_kernel=cpu_kernel,
     )
     if threads is not None:
         torch.set_num_threads(threads)
@@ -157,6 +161,7 @@ def build_runner(
     max_model_len: int | None = None,
     attention_backend: str = "auto",
     quantization: str = "none",
+    cpu_kernel: str = "auto",
 ) -> ModelRunner:
     """Build this rank's runner from a resolved HF directory."""
     cfg = ModelConfig.from_dir(path)
@@ -185,6 +190,10 @@ def build_runner(
         log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
     elif quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r} (none | int8)")
+    if device.type == "cpu" and dtype == torch.float32 and tp.size == 1:
+        from adaserve.model.cpu_gemm import pack_linears
+
+        pack_linears(model, cpu_kernel)
     storage = KVStorage(
         cfg.num_layers, kv_blocks, kv_block_size, kv_heads, cfg.head_dim, dtype, device
     )

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=settings.engine.max_model_len,
             threads=args.threads,
             quantization=ms.drafter_quantization,
+            cpu_kernel=ms.cpu_kernel,
         ).result()
         drafter = worker.submit(BeamDrafter, runner).result()
     except (OSError, ValueError) as exc:  # missing or unsupported model: say so, no traceback

@@ -1,0 +1,175 @@
+"""fp32 linear layers on AVX-512 CPUs through our own few-row GEMM (csrc/skinny_gemm.cpp).
+
+On the CPU a decode step or a tree verification multiplies 1-16 token rows by every
+weight of the model, so its cost is reading the weights. MKL's sgemm reads them at
+full speed for one row but pays ~1.5x for the 4-8 rows of a verified tree, which eats
+most of what speculation gains at one request. The packed kernel streams each weight
+once for up to 8 rows at a time: 5 rows cost about what 1 does, and a 256-row prefill
+chunk about what MKL takes (benchmarks/bench_cpu_gemm.py).
+
+Each output is the same sequential FMA chain over the input features for any number
+of rows, so a token's logits do not depend on the tree verified beside it. The result
+differs from MKL's in the last bits (another summation order), as any two BLAS do.
+
+The kernel is compiled on first use with the system's g++ (about a second) into
+~/.cache/adaserve/kernels (ADASERVE_CACHE_DIR moves it) and loaded through ctypes.
+Without g++, an AVX-512 CPU or an x86 Linux host, `pack_linears` leaves the model on
+MKL and says why; `cpu_kernel: mkl` (ADASERVE_MODEL__CPU_KERNEL=mkl) asks for MKL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from adaserve.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from adaserve.model.llama import LlamaModel
+
+log = logging.getLogger("adaserve.model")
+
+CPU_KERNELS = ("auto", "mkl")
+SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
+FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+class KernelUnavailable(RuntimeError):
+    """The packed kernel cannot run here (the message says why)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ADASERVE_CACHE_DIR") or Path.home() / ".cache" / "adaserve"
+    return Path(root) / "kernels"
+
+
+@cache
+def kernel() -> ctypes.CDLL:
+    """The compiled kernel library, built once per source and flags; KernelUnavailable
+    where it cannot run."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise KernelUnavailable(f"needs x86-64 Linux, not {platform.system()} {platform.machine()}")
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        raise KernelUnavailable(
+            f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+        )
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise KernelUnavailable("needs a C++ compiler (g++) to build it on first use")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"skinny_gemm-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with open(lib.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build when several processes start at once
+            if not lib.exists():
+                tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+                proc = subprocess.run(
+                    [cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
+                )
+                if proc.returncode != 0:
+                    raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
+                tmp.replace(lib)
+    dll = ctypes.CDLL(str(lib))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    dll.adaserve_skinny_linear.restype = None
+    dll.adaserve_skinny_block.restype = ctypes.c_int
+    return dll
+
+
+_threads = torch.get_num_threads
+
+
+def pack(weight_t: torch.Tensor, block: int) -> torch.Tensor:
+    """[in, out] -> [ceil(out / block), in, block], zero-padded: one contiguous stream
+    per block of output columns."""
+    k, n = weight_t.shape
+    blocks = -(-n // block)
+    padded = torch.zeros(k, blocks * block, dtype=torch.float32)
+    padded[:, :n] = weight_t
+    return padded.view(k, blocks, block).permute(1, 0, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) through the packed kernel; x [T, in] fp32, any T."""
+
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        lib = kernel()
+        self.in_features, self.out_features = weight_t.shape
+        self.packed = pack(weight_t.detach(), lib.adaserve_skinny_block())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        # A forward makes ~120 of these calls: bind what does not change once.
+        self._call = lib.adaserve_skinny_linear
+        self._w = self.packed.data_ptr()
+        self._b = None if self.bias is None else self.bias.data_ptr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"PackedLinear takes float32 [T, {self.in_features}], got {x.shape}")
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            n, k = self.out_features, self.in_features
+            self._call(x.data_ptr(), rows, k, self._w, n, self._b, y.data_ptr(), _threads())
+        return y
+
+
+class PackedEmbedding(nn.Module):
+    """The input embedding read from a tied LM head's packed weights, so a tied model
+    keeps one copy of its largest matrix."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        block = self.head.packed.shape[2]
+        return self.head.packed[ids // block, :, ids % block]
+
+
+def pack_linears(model: LlamaModel, mode: str = "auto") -> int:
+    """Swap every fp32 linear layer of a one-rank CPU model (the LM head included; a
+    tied embedding then reads the head's packed weights) for a PackedLinear, in place.
+    Returns how many; 0, leaving MKL, with mode "mkl" or where the kernel cannot run."""
+    if mode not in CPU_KERNELS:
+        raise ValueError(f"unknown cpu_kernel {mode!r} ({' | '.join(CPU_KERNELS)})")
+    if mode == "mkl":
+        return 0
+    try:
+        kernel()
+    except (KernelUnavailable, OSError) as exc:
+        log.info("CPU linear layers stay on MKL: the packed kernel %s", exc)
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+                continue
+            weight = child.weight_t
+            if child.tp.size > 1 or weight.device.type != "cpu" or weight.dtype != torch.float32:
+                continue
+            packed = PackedLinear(weight, getattr(child, "bias", None))
+            if isinstance(model.embed, VocabParallelEmbedding) and weight is model.embed.weight_t:
+                model.embed = PackedEmbedding(packed)
+            setattr(parent, name, packed)
+            swapped += 1
+    log.info("%d linear layers on the packed CPU kernel", swapped)
+    return swapped

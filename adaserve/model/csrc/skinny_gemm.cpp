@@ -1,0 +1,119 @@
+// y[M, N] = x[M, K] @ W^T (+ bias) for fp32 on AVX-512 CPUs, with W packed as
+// [ceil(N / 32), K, 32]: each block of 32 output columns is one contiguous stream.
+//
+// Decoding and tree verification multiply a few rows (M = 1..16) by large weights, so
+// their cost is reading the weights. A tile holds up to 8 rows of outputs in registers
+// and streams its blocks' weights once for all of them, so 5 rows cost about what 1
+// does; MKL's sgemm pays ~1.5x for 5 rows on the same host (adaserve/model/cpu_gemm.py).
+// Every output is the same sequential FMA chain over k whatever M and the tiling are,
+// so a token's logits do not depend on how many tree tokens were verified beside it.
+//
+// Plain C ABI, no torch headers: it builds in about a second and is called through
+// ctypes. Threads come from OpenMP; loaded into a process that imported torch, the
+// soname libgomp.so.1 resolves to torch's own runtime and thread pool.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // output columns per packed block: two zmm registers
+constexpr int kRows = 8;         // rows per register tile (8 x 2 x 2 zmm accumulators at most)
+constexpr int64_t kAhead = 32;   // prefetch distance in k: 4 KB ahead in each stream
+constexpr int64_t kChunk = 128;  // features per FMA chain (see tile)
+
+inline __mmask16 mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1); }
+
+// M rows x B adjacent blocks (B * 32 columns) over features [k0, k1); ncols: valid
+// columns from the first. The first chunk stores its sums, later ones add theirs to y,
+// and the last adds the bias: per output, sequential FMA chains of kChunk features
+// summed in order, about as accurate as MKL's own k-blocking (one chain over all 1536
+// features of a down projection drifts ~2x further from float64).
+template <int M, int B>
+inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w,
+                 const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int V = 2 * B;
+  __m512 acc[M][V];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
+  const int64_t bs = K * kBlock;
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 wv[V];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      const float* p = w + b * bs + k * kBlock;
+      _mm_prefetch((const char*)(p + kAhead * kBlock), _MM_HINT_T0);
+      _mm_prefetch((const char*)(p + kAhead * kBlock + 16), _MM_HINT_T0);
+      wv[2 * b] = _mm512_loadu_ps(p);
+      wv[2 * b + 1] = _mm512_loadu_ps(p + 16);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
+    }
+  }
+  const bool first = k0 == 0, last = k1 == K;
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v) {
+    const __mmask16 mk = mask(ncols - 16 * v);
+    if (mk == 0) break;
+    const __m512 bv = last && bias != nullptr ? _mm512_maskz_loadu_ps(mk, bias + 16 * v)
+                                              : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      float* out = y + m * ldy + 16 * v;
+      __m512 sum = first ? acc[m][v] : _mm512_add_ps(_mm512_maskz_loadu_ps(mk, out), acc[m][v]);
+      if (last && bias != nullptr) sum = _mm512_add_ps(sum, bv);
+      _mm512_mask_storeu_ps(out, mk, sum);
+    }
+  }
+}
+
+template <int B>
+inline void rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias,
+                 float* y, int64_t N, int64_t ncols) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    const int64_t m = M - m0 < kRows ? M - m0 : kRows;
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t k1 = K - k0 < kChunk ? K : k0 + kChunk;
+      switch (m) {
+        case 1: tile<1, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        case 2: tile<2, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        case 3: tile<3, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        case 4: tile<4, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        case 5: tile<5, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        case 6: tile<6, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        case 7: tile<7, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+        default: tile<8, B>(xm, K, k0, k1, w, bias, ym, N, ncols); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int adaserve_skinny_block() { return (int)kBlock; }
+
+extern "C" void adaserve_skinny_linear(const float* x, int64_t M, int64_t K, const float* packed,
+                                       int64_t N, const float* bias, float* y, int threads) {
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // Few rows: two blocks per tile, for more independent FMA chains and weight streams.
+  const int64_t per = M <= 4 ? 2 : 1;
+  const int64_t tiles = (blocks + per - 1) / per;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t b = t * per;
+    const float* w = packed + b * K * kBlock;
+    const float* bb = bias == nullptr ? nullptr : bias + b * kBlock;
+    const int64_t ncols = N - b * kBlock;
+    float* yb = y + b * kBlock;
+    if (per == 2 && b + 1 < blocks) rows<2>(x, M, K, w, bb, yb, N, ncols);
+    else rows<1>(x, M, K, w, bb, yb, N, ncols);
+  }
+}

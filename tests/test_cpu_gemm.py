@@ -1,0 +1,144 @@
+"""The packed few-row CPU kernel (adaserve/model/cpu_gemm.py): it computes x W^T (+ b)
+for any rows, columns and features, a row's result does not depend on the rows beside
+it, the loader really swaps every fp32 linear layer (a tied embedding reads the head's
+packed weights), the model's logits stay those of MKL within float32 rounding, and
+speculation on it still emits the Hugging Face model's own greedy output. Where the
+kernel cannot be built the model stays on MKL."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from adaserve.config import load_settings
+from adaserve.model import cpu_gemm
+from adaserve.model.cpu_gemm import KernelUnavailable, PackedEmbedding, PackedLinear, pack_linears
+from adaserve.model.loader import load_runner
+from adaserve.model.runner import SeqInput
+from tests.conftest import make_tiny_model
+from tests.test_engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
+
+
+def _available() -> str | None:
+    try:
+        cpu_gemm.kernel()
+    except (KernelUnavailable, OSError) as exc:
+        return str(exc)
+    return None
+
+
+WHY = _available()
+needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"packed kernel unavailable: {WHY}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(1, 7), (31, 64), (32, 1), (33, 96), (200, 576)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64_matmul(rows, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    y = PackedLinear(w.t().contiguous(), b)(x)
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it():
+    """The lossless argument on the CPU: the logits of a tree node are the ones a plain
+    decode step of that token would get, however many nodes are verified with it."""
+    g = torch.Generator().manual_seed(0)
+    layer = PackedLinear(torch.randn(576, 1000, generator=g), torch.randn(1000, generator=g))
+    x = torch.randn(20, 576, generator=g)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
+    for m in (2, 5, 8, 9, 16, 20):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+
+
+@needs_kernel
+def test_non_contiguous_input_and_bad_shapes():
+    layer = PackedLinear(torch.randn(40, 64), None)  # [in, out]
+    x = torch.randn(40, 3).t()  # [3, 40], not contiguous
+    torch.testing.assert_close(layer(x), x @ layer_weight(layer), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        layer(torch.randn(3, 41))
+    with pytest.raises(ValueError, match="float32"):
+        layer(torch.randn(3, 64, dtype=torch.float64))
+
+
+def layer_weight(layer: PackedLinear) -> torch.Tensor:
+    """The [in, out] weight back out of the packed blocks."""
+    blocks, k, width = layer.packed.shape
+    return layer.packed.permute(1, 0, 2).reshape(k, blocks * width)[:, : layer.out_features]
+
+
+def _logits(runner, prompt: list[int]) -> torch.Tensor:
+    runner.add_sequence("s")
+    try:
+        return runner.forward([SeqInput.chain("s", np.asarray(prompt, np.int32))]).float()
+    finally:
+        runner.free("s")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "kind,tied,expected", [("llama", True, 9), ("llama", False, 9), ("qwen2", True, 9)]
+)
+def test_loader_packs_every_linear_and_logits_match_mkl(tmp_path, kind, tied, expected):
+    """2 layers x (qkv, o, gate_up, down) + the LM head; qwen2 has qkv biases."""
+    path = make_tiny_model(tmp_path, kind, seed=4, tie_word_embeddings=tied)
+    mkl = load_runner(path, device="cpu", dtype="float32", kv_blocks=64, cpu_kernel="mkl")
+    packed = load_runner(path, device="cpu", dtype="float32", kv_blocks=64)
+    assert not any(isinstance(m, PackedLinear) for m in mkl.model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == expected
+    assert isinstance(packed.model.embed, PackedEmbedding) == tied
+    ids = torch.tensor([0, 5, 31, 32, 33, mkl.model.embed.vocab - 1])
+    torch.testing.assert_close(packed.model.embed(ids), mkl.model.embed(ids), rtol=0, atol=0)
+    a, b = _logits(mkl, PROMPTS[2]), _logits(packed, PROMPTS[2])
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_kernel
+def test_speculation_on_the_packed_kernel_is_lossless(tmp_path):
+    target = make_tiny_model(tmp_path / "t", "llama", seed=0)
+    drafter = make_tiny_model(tmp_path / "d", "llama", seed=1)
+    engine = make_engine(target, drafter)
+    assert isinstance(engine.target.runner.model.lm_head, PackedLinear)
+    slos = [10.0, 150.0, 1.0, 1000.0]
+    streams = [engine.submit(req(i, PROMPTS[i], 20, slos[i])) for i in range(4)]
+    out = run_to_completion(engine, streams)["tokens"]
+    for i in range(4):
+        assert out[f"r{i}"] == hf_greedy(target, PROMPTS[i], 20), i
+
+
+def test_mkl_where_the_kernel_cannot_be_built(tmp_path, monkeypatch):
+    path = make_tiny_model(tmp_path / "m", "llama", seed=0)
+    monkeypatch.setenv("ADASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_gemm.kernel.cache_clear()
+    try:
+        with pytest.raises(KernelUnavailable):
+            cpu_gemm.kernel()
+        runner = load_runner(path, device="cpu", dtype="float32", kv_blocks=64)
+        assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
+        assert _logits(runner, PROMPTS[0]).isfinite().all()
+    finally:
+        cpu_gemm.kernel.cache_clear()
+
+
+def test_unknown_kernel_is_refused(tmp_path):
+    with pytest.raises(ValidationError, match="cpu_kernel"):
+        load_settings(None, model={"cpu_kernel": "fast"})
+    runner = load_runner(
+        make_tiny_model(tmp_path, "llama", seed=0), "cpu", "float32", kv_blocks=64, cpu_kernel="mkl"
+    )
+    with pytest.raises(ValueError, match="unknown cpu_kernel"):
+        pack_linears(runner.model, "fast")
