@@ -51,6 +51,25 @@ def test_matches_float64_matmul(rows, out_features, in_features, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weights_match_their_dequantized_matmul(rows, bias):
+    """int8 per output feature, activations kept float32: exactly x (q * scale)^T + b
+    up to float32 rounding, and within int8 rounding of the float weights."""
+    g = torch.Generator().manual_seed(rows)
+    w_t = torch.randn(96, 70, generator=g)  # [in, out]
+    b = torch.randn(70, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    layer = PackedLinear(w_t, b, int8=True)
+    assert layer.packed.dtype == torch.int8
+    q, scale = cpu_gemm.quantize_columns(w_t)
+    ref = x.double() @ (q.double() * scale.double()) + (0 if b is None else b.double())
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
+    exact = x @ w_t + (0 if b is None else b)
+    assert (layer(x) - exact).norm() / exact.norm() < 0.02
+
+
+@needs_kernel
 def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it():
     """The lossless argument on the CPU: the logits of a tree node are the ones a plain
     decode step of that token would get, however many nodes are verified with it."""

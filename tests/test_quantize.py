@@ -12,6 +12,7 @@ from adaserve import metrics
 from adaserve.config import load_settings
 from adaserve.engine import Engine
 from adaserve.engine_build import build_drafter
+from adaserve.model.cpu_gemm import PackedLinear, packed_kernel_available
 from adaserve.model.loader import load_runner
 from adaserve.model.quantize import Int8Linear, quantize_int8
 from adaserve.model.runner import SeqInput
@@ -42,15 +43,29 @@ def _logits(runner, prompt: list[int]) -> torch.Tensor:
         runner.free("s")
 
 
+def _int8_layers(model, kernel: str) -> list:
+    """fbgemm's Int8Linear on MKL; the packed kernel's int8 PackedLinear otherwise."""
+    if kernel == "mkl":
+        return [m for m in model.modules() if isinstance(m, Int8Linear)]
+    return [m for m in model.modules() if isinstance(m, PackedLinear) and m.int8]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "mkl"])
 @pytest.mark.parametrize("fixture,expected", [("model_dir", 8), ("untied_dir", 9)])
-def test_every_linear_is_int8_and_the_logits_stay_close(request, fixture, expected):
+def test_every_linear_is_int8_and_the_logits_stay_close(request, fixture, expected, kernel):
     """2 layers x (qkv, o, gate_up, down), plus the LM head when it is not the
-    embedding's own tensor."""
+    embedding's own tensor; with the packed kernel ("auto") and with fbgemm ("mkl")."""
+    if kernel == "auto" and not packed_kernel_available():
+        pytest.skip("packed CPU kernel unavailable here")
     path = request.getfixturevalue(fixture)
-    fp32 = load_runner(path, device="cpu", dtype="float32", kv_blocks=64)
-    int8 = load_runner(path, device="cpu", dtype="float32", kv_blocks=64, quantization="int8")
-    swapped = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
+    fp32 = load_runner(path, device="cpu", dtype="float32", kv_blocks=64, cpu_kernel="mkl")
+    int8 = load_runner(
+        path, device="cpu", dtype="float32", kv_blocks=64, quantization="int8", cpu_kernel=kernel
+    )
+    swapped = _int8_layers(int8.model, kernel)
     assert len(swapped) == expected
+    if kernel == "mkl":
+        assert not any(isinstance(m, PackedLinear) for m in int8.model.modules())
     a, b = _logits(fp32, PROMPTS[2]), _logits(int8, PROMPTS[2])
     assert not torch.equal(a, b)  # it really is another kernel
     assert (b - a).norm() / a.norm() < 0.05
@@ -79,7 +94,8 @@ def test_speculation_with_an_int8_drafter_is_lossless(model_dir):
         scheduler={"budget": 12, "policy": "equal"},
     )
     drafter = build_drafter(settings)
-    assert any(isinstance(m, Int8Linear) for m in drafter.runner.model.modules())
+    kernel = "auto" if packed_kernel_available() else "mkl"
+    assert _int8_layers(drafter.runner.model, kernel)
     target = load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=512)
     engine = Engine(
         target=RunnerTarget(target, eos_token_ids=()),

@@ -12,7 +12,9 @@ of rows, so a token's logits do not depend on the tree verified beside it. The r
 differs from MKL's in the last bits (another summation order), as any two BLAS do.
 
 The kernel is compiled on first use with the system's g++ (about a second) into
-~/.cache/adaserve/kernels (ADASERVE_CACHE_DIR moves it) and loaded through ctypes.
+~/.cache/adaserve/kernels (ADASERVE_CACHE_DIR moves it) and loaded through ctypes. The
+CPU image builds it in its builder stage (`build()`) and ships it in its cache, as it
+does the converted model: its runtime stage has no compiler and a read-only root.
 Without g++, an AVX-512 CPU or an x86 Linux host, `pack_linears` leaves the model on
 MKL and says why; `cpu_kernel: mkl` (ADASERVE_MODEL__CPU_KERNEL=mkl) asks for MKL.
 """
@@ -57,9 +59,35 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def build() -> Path:
+    """The compiled library for this source and these flags, built into the cache if it
+    is not there yet (no CPU check: the Docker image builds it where it is built);
+    KernelUnavailable without a compiler."""
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"skinny_gemm-{key}.so"
+    if lib.exists():
+        return lib  # nothing written: a read-only image cache is fine
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise KernelUnavailable("needs a C++ compiler (g++) to build it on first use")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build when several processes start at once
+        if not lib.exists():
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+            proc = subprocess.run(
+                [cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
+            tmp.replace(lib)
+    return lib
+
+
 @cache
 def kernel() -> ctypes.CDLL:
-    """The compiled kernel library, built once per source and flags; KernelUnavailable
+    """The kernel library, loaded (and built once per source and flags); KernelUnavailable
     where it cannot run."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise KernelUnavailable(f"needs x86-64 Linux, not {platform.system()} {platform.machine()}")
@@ -67,28 +95,12 @@ def kernel() -> ctypes.CDLL:
         raise KernelUnavailable(
             f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
         )
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        raise KernelUnavailable("needs a C++ compiler (g++) to build it on first use")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"skinny_gemm-{key}.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with open(lib.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one build when several processes start at once
-            if not lib.exists():
-                tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-                proc = subprocess.run(
-                    [cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
-                )
-                if proc.returncode != 0:
-                    raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
-                tmp.replace(lib)
-    dll = ctypes.CDLL(str(lib))
+    dll = ctypes.CDLL(str(build()))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     dll.adaserve_skinny_linear.restype = None
+    dll.adaserve_skinny_linear_i8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    dll.adaserve_skinny_linear_i8.restype = None
     dll.adaserve_skinny_block.restype = ctypes.c_int
     return dll
 
@@ -98,27 +110,49 @@ _threads = torch.get_num_threads
 
 def pack(weight_t: torch.Tensor, block: int) -> torch.Tensor:
     """[in, out] -> [ceil(out / block), in, block], zero-padded: one contiguous stream
-    per block of output columns."""
+    per block of output columns (any dtype)."""
     k, n = weight_t.shape
     blocks = -(-n // block)
-    padded = torch.zeros(k, blocks * block, dtype=torch.float32)
+    padded = torch.zeros(k, blocks * block, dtype=weight_t.dtype)
     padded[:, :n] = weight_t
     return padded.view(k, blocks, block).permute(1, 0, 2).contiguous()
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T (+ b) through the packed kernel; x [T, in] fp32, any T."""
+def quantize_columns(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output feature: (q int8 [in, out], scale float32 [out]) with
+    weight_t ~= q * scale."""
+    w = weight_t.detach().float()
+    scale = (w.abs().amax(dim=0) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) through the packed kernel; x [T, in] fp32, any T. With int8,
+    W is stored int8 per output feature (a drafter's layers: quantize.py)."""
+
+    def __init__(
+        self, weight_t: torch.Tensor, bias: torch.Tensor | None, int8: bool = False
+    ) -> None:
         super().__init__()
         lib = kernel()
+        block = lib.adaserve_skinny_block()
         self.in_features, self.out_features = weight_t.shape
-        self.packed = pack(weight_t.detach(), lib.adaserve_skinny_block())
+        self.int8 = int8
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        # A forward makes ~120 of these calls: bind what does not change once.
-        self._call = lib.adaserve_skinny_linear
-        self._w = self.packed.data_ptr()
         self._b = None if self.bias is None else self.bias.data_ptr()
+        # A forward makes ~120 of these calls: bind what does not change once.
+        if int8:
+            q, scale = quantize_columns(weight_t)
+            self.packed = pack(q, block)
+            self.scale = torch.zeros(self.packed.shape[0] * block)
+            self.scale[: self.out_features] = scale
+            call, ptr = lib.adaserve_skinny_linear_i8, self.scale.data_ptr()
+            self._call = lambda x, m, k, w, n, b, y, t: call(x, m, k, w, ptr, n, b, y, t)
+        else:
+            self.packed = pack(weight_t.detach().float(), block)
+            self._call = lib.adaserve_skinny_linear
+        self._w = self.packed.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
@@ -145,18 +179,25 @@ class PackedEmbedding(nn.Module):
         return self.head.packed[ids // block, :, ids % block]
 
 
+def packed_kernel_available(mode: str = "auto") -> bool:
+    """Whether `mode` asks for the packed kernel and it runs here (logged when not)."""
+    if mode not in CPU_KERNELS:
+        raise ValueError(f"unknown cpu_kernel {mode!r} ({' | '.join(CPU_KERNELS)})")
+    if mode == "mkl":
+        return False
+    try:
+        kernel()
+    except (KernelUnavailable, OSError) as exc:
+        log.info("CPU linear layers stay on MKL / fbgemm: the packed kernel %s", exc)
+        return False
+    return True
+
+
 def pack_linears(model: LlamaModel, mode: str = "auto") -> int:
     """Swap every fp32 linear layer of a one-rank CPU model (the LM head included; a
     tied embedding then reads the head's packed weights) for a PackedLinear, in place.
     Returns how many; 0, leaving MKL, with mode "mkl" or where the kernel cannot run."""
-    if mode not in CPU_KERNELS:
-        raise ValueError(f"unknown cpu_kernel {mode!r} ({' | '.join(CPU_KERNELS)})")
-    if mode == "mkl":
-        return 0
-    try:
-        kernel()
-    except (KernelUnavailable, OSError) as exc:
-        log.info("CPU linear layers stay on MKL: the packed kernel %s", exc)
+    if not packed_kernel_available(mode):
         return 0
     swapped = 0
     for parent in list(model.modules()):

@@ -185,7 +185,7 @@ def build_runner(
     if quantization == "int8" and device.type == "cpu":
         from adaserve.model.quantize import quantize_int8
 
-        quantize_int8(model)
+        quantize_int8(model, cpu_kernel)
     elif quantization == "int8":  # one settings file serves a laptop and a GPU box alike
         log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
     elif quantization != "none":
