@@ -5,11 +5,12 @@ weight of the model, so its cost is reading the weights. MKL's sgemm reads them 
 full speed for one row but pays ~1.5x for the 4-8 rows of a verified tree, which eats
 most of what speculation gains at one request. The packed kernel streams each weight
 once for up to 8 rows at a time: 5 rows cost about what 1 does, and a 256-row prefill
-chunk about what MKL takes (benchmarks/bench_cpu_gemm.py).
+chunk within ~10% of MKL (`benchmarks/bench_verify.py --cpu-kernel auto mkl`).
 
-Each output is the same sequential FMA chain over the input features for any number
-of rows, so a token's logits do not depend on the tree verified beside it. The result
-differs from MKL's in the last bits (another summation order), as any two BLAS do.
+Each output is the same sequence of FMA chains (128 input features each, summed in
+order) for any number of rows, so a token's logits do not depend on the tree verified
+beside it. The result differs from MKL's in the last bits (another summation order),
+as any two BLAS do.
 
 The kernel is compiled on first use with the system's g++ (about a second) into
 ~/.cache/adaserve/kernels (ADASERVE_CACHE_DIR moves it) and loaded through ctypes. The
@@ -35,12 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaserve.model.layers import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from adaserve.model.embedded import cache_root
+from adaserve.model.layers import VocabParallelEmbedding, linear_layers
 from adaserve.model.llama import LlamaModel
 
 log = logging.getLogger("adaserve.model")
@@ -54,18 +51,13 @@ class KernelUnavailable(RuntimeError):
     """The packed kernel cannot run here (the message says why)."""
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("ADASERVE_CACHE_DIR") or Path.home() / ".cache" / "adaserve"
-    return Path(root) / "kernels"
-
-
 def build() -> Path:
     """The compiled library for this source and these flags, built into the cache if it
     is not there yet (no CPU check: the Docker image builds it where it is built);
     KernelUnavailable without a compiler."""
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"skinny_gemm-{key}.so"
+    lib = cache_root() / "kernels" / f"skinny_gemm-{key}.so"
     if lib.exists():
         return lib  # nothing written: a read-only image cache is fine
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -97,10 +89,8 @@ def kernel() -> ctypes.CDLL:
         )
     dll = ctypes.CDLL(str(build()))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     dll.adaserve_skinny_linear.restype = None
-    dll.adaserve_skinny_linear_i8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
-    dll.adaserve_skinny_linear_i8.restype = None
     dll.adaserve_skinny_block.restype = ctypes.c_int
     return dll
 
@@ -140,19 +130,19 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight_t.shape
         self.int8 = int8
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._b = None if self.bias is None else self.bias.data_ptr()
-        # A forward makes ~120 of these calls: bind what does not change once.
+        self.scale: torch.Tensor | None = None  # int8: one per output, zero-padded
         if int8:
             q, scale = quantize_columns(weight_t)
             self.packed = pack(q, block)
             self.scale = torch.zeros(self.packed.shape[0] * block)
             self.scale[: self.out_features] = scale
-            call, ptr = lib.adaserve_skinny_linear_i8, self.scale.data_ptr()
-            self._call = lambda x, m, k, w, n, b, y, t: call(x, m, k, w, ptr, n, b, y, t)
         else:
             self.packed = pack(weight_t.detach().float(), block)
-            self._call = lib.adaserve_skinny_linear
+        # A forward makes ~120 of these calls: bind what does not change once.
+        self._call = lib.adaserve_skinny_linear
         self._w = self.packed.data_ptr()
+        self._s = None if self.scale is None else self.scale.data_ptr()
+        self._b = None if self.bias is None else self.bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
@@ -162,7 +152,9 @@ class PackedLinear(nn.Module):
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if rows:
             n, k = self.out_features, self.in_features
-            self._call(x.data_ptr(), rows, k, self._w, n, self._b, y.data_ptr(), _threads())
+            self._call(
+                x.data_ptr(), rows, k, self._w, self._s, n, self._b, y.data_ptr(), _threads()
+            )
         return y
 
 
@@ -200,17 +192,14 @@ def pack_linears(model: LlamaModel, mode: str = "auto") -> int:
     if not packed_kernel_available(mode):
         return 0
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-                continue
-            weight = child.weight_t
-            if child.tp.size > 1 or weight.device.type != "cpu" or weight.dtype != torch.float32:
-                continue
-            packed = PackedLinear(weight, getattr(child, "bias", None))
-            if isinstance(model.embed, VocabParallelEmbedding) and weight is model.embed.weight_t:
-                model.embed = PackedEmbedding(packed)
-            setattr(parent, name, packed)
-            swapped += 1
+    for parent, name, child in linear_layers(model):
+        weight = child.weight_t
+        if child.tp.size > 1 or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            continue
+        packed = PackedLinear(weight, getattr(child, "bias", None))
+        if isinstance(model.embed, VocabParallelEmbedding) and weight is model.embed.weight_t:
+            model.embed = PackedEmbedding(packed)
+        setattr(parent, name, packed)
+        swapped += 1
     log.info("%d linear layers on the packed CPU kernel", swapped)
     return swapped

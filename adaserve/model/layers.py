@@ -9,6 +9,7 @@ layers need none, row-parallel ones `all_reduce`, the vocab-parallel embedding
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,17 @@ class TPGroup:
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def linear_layers(
+    model: nn.Module,
+) -> Iterator[tuple[nn.Module, str, ColumnParallelLinear | RowParallelLinear | ParallelLMHead]]:
+    """(parent, attribute name, layer) of every linear layer and LM head of `model`, for
+    the passes that swap them for other kernels (quantize.py, cpu_gemm.py)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+                yield parent, name, child
 
 
 class RMSNorm(nn.Module):

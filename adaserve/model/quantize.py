@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from adaserve.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from adaserve.model.layers import linear_layers
 from adaserve.model.llama import LlamaModel
 
 QUANTIZATIONS = ("none", "int8")
@@ -61,19 +61,16 @@ def quantize_int8(model: LlamaModel, cpu_kernel: str = "auto") -> int:
     if not packed:
         torch.backends.quantized.engine = "fbgemm"
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-                continue
-            if child.tp.size > 1:
-                raise ValueError("int8 quantization is for one-rank (tp 1) drafters")
-            weight = child.weight_t
-            if weight.device.type != "cpu" or weight.dtype != torch.float32:
-                raise ValueError("int8 quantization runs on the CPU, from float32 weights")
-            if weight is model.embed.weight_t:
-                continue  # a tied LM head: the embedding lookup needs the tensor as it is
-            bias = getattr(child, "bias", None)
-            layer = PackedLinear(weight, bias, int8=True) if packed else Int8Linear(weight, bias)
-            setattr(parent, name, layer)
-            swapped += 1
+    for parent, name, child in linear_layers(model):
+        if child.tp.size > 1:
+            raise ValueError("int8 quantization is for one-rank (tp 1) drafters")
+        weight = child.weight_t
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError("int8 quantization runs on the CPU, from float32 weights")
+        if weight is model.embed.weight_t:
+            continue  # a tied LM head: the embedding lookup needs the tensor as it is
+        bias = getattr(child, "bias", None)
+        layer = PackedLinear(weight, bias, int8=True) if packed else Int8Linear(weight, bias)
+        setattr(parent, name, layer)
+        swapped += 1
     return swapped

@@ -133,14 +133,11 @@ void linear(const float* x, int64_t M, int64_t K, const W* packed, const float* 
 
 extern "C" int adaserve_skinny_block() { return (int)kBlock; }
 
-extern "C" void adaserve_skinny_linear(const float* x, int64_t M, int64_t K, const float* packed,
-                                       int64_t N, const float* bias, float* y, int threads) {
-  linear<float>(x, M, K, packed, nullptr, N, bias, y, threads);
-}
-
-// scale: [ceil(N / 32) * 32] floats, one per output column (zero-padded like packed).
-extern "C" void adaserve_skinny_linear_i8(const float* x, int64_t M, int64_t K,
-                                          const int8_t* packed, const float* scale, int64_t N,
-                                          const float* bias, float* y, int threads) {
-  linear<int8_t>(x, M, K, packed, scale, N, bias, y, threads);
+// packed: float32, or int8 when scale (one float per output column, zero-padded like
+// packed to whole blocks) is given.
+extern "C" void adaserve_skinny_linear(const float* x, int64_t M, int64_t K, const void* packed,
+                                       const float* scale, int64_t N, const float* bias, float* y,
+                                       int threads) {
+  if (scale == nullptr) linear<float>(x, M, K, (const float*)packed, nullptr, N, bias, y, threads);
+  else linear<int8_t>(x, M, K, (const int8_t*)packed, scale, N, bias, y, threads);
 }
