@@ -2,8 +2,9 @@
 for any rows, columns and features, a row's result does not depend on the rows beside
 it, the loader really swaps every fp32 linear layer (a tied embedding reads the head's
 packed weights), the model's logits stay those of MKL within float32 rounding, and
-speculation on it still emits the Hugging Face model's own greedy output. Where the
-kernel cannot be built the model stays on MKL."""
+speculation on it still emits the Hugging Face model's own greedy output. The AVX-512
+and AVX2 builds are each checked where the CPU runs them, and give the same bits.
+Where the kernel cannot be built the model stays on MKL."""
 
 from __future__ import annotations
 
@@ -31,36 +32,42 @@ def _available() -> str | None:
 
 WHY = _available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"packed kernel unavailable: {WHY}")
+RUNNABLE = () if WHY is not None else cpu_gemm.supported_isas()
+# Every build, each skipped where this CPU does not run it.
+ISAS = [
+    pytest.param(isa, marks=pytest.mark.skipif(isa not in RUNNABLE, reason=f"CPU lacks {isa}"))
+    for isa in cpu_gemm.ISA_FLAGS
+]
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 8, 9, 11, 17, 64])
 @pytest.mark.parametrize(
     "out_features,in_features", [(1, 7), (31, 64), (32, 1), (33, 96), (200, 576)]
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64_matmul(rows, out_features, in_features, bias):
+def test_matches_float64_matmul(isa, rows, out_features, in_features, bias):
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g) if bias else None
     x = torch.randn(rows, in_features, generator=g)
-    y = PackedLinear(w.t().contiguous(), b)(x)
+    y = PackedLinear(w.t().contiguous(), b, isa=isa)(x)
     ref = x.double() @ w.double().t() + (0 if b is None else b.double())
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_weights_match_their_dequantized_matmul(rows, bias):
+def test_int8_weights_match_their_dequantized_matmul(isa, rows, bias):
     """int8 per output feature, activations kept float32: exactly x (q * scale)^T + b
     up to float32 rounding, and within int8 rounding of the float weights."""
     g = torch.Generator().manual_seed(rows)
     w_t = torch.randn(96, 70, generator=g)  # [in, out]
     b = torch.randn(70, generator=g) if bias else None
     x = torch.randn(rows, 96, generator=g)
-    layer = PackedLinear(w_t, b, int8=True)
+    layer = PackedLinear(w_t, b, int8=True, isa=isa)
     assert layer.packed.dtype == torch.int8
     q, scale = cpu_gemm.quantize_columns(w_t)
     ref = x.double() @ (q.double() * scale.double()) + (0 if b is None else b.double())
@@ -69,16 +76,39 @@ def test_int8_weights_match_their_dequantized_matmul(rows, bias):
     assert (layer(x) - exact).norm() / exact.norm() < 0.02
 
 
-@needs_kernel
-def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it():
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it(isa):
     """The lossless argument on the CPU: the logits of a tree node are the ones a plain
     decode step of that token would get, however many nodes are verified with it."""
     g = torch.Generator().manual_seed(0)
-    layer = PackedLinear(torch.randn(576, 1000, generator=g), torch.randn(1000, generator=g))
+    w, b = torch.randn(576, 1000, generator=g), torch.randn(1000, generator=g)
+    layer = PackedLinear(w, b, isa=isa)
     x = torch.randn(20, 576, generator=g)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
-    for m in (2, 5, 8, 9, 16, 20):
+    for m in (2, 4, 5, 6, 8, 9, 10, 11, 16, 20):
         assert torch.equal(layer(x[:m]), alone[:m]), m
+
+
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason="needs a CPU that runs both builds (AVX-512)")
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_avx512_and_avx2_builds_give_the_same_bits(int8):
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(576, 300, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(13, 576, generator=g)
+    wide = PackedLinear(w, b, int8=int8, isa="avx512")(x)
+    assert torch.equal(wide, PackedLinear(w, b, int8=int8, isa="avx2")(x))
+
+
+def test_a_build_the_cpu_does_not_run_is_refused():
+    if WHY is not None:
+        with pytest.raises(KernelUnavailable):
+            cpu_gemm.supported_isas()
+        return
+    assert cpu_gemm.supported_isas()[-1] == "avx2"  # every x86-64 build here runs AVX2
+    missing = [isa for isa in cpu_gemm.ISA_FLAGS if isa not in RUNNABLE]
+    for isa in missing:
+        with pytest.raises(KernelUnavailable, match=isa):
+            cpu_gemm.kernel(isa)
 
 
 @needs_kernel

@@ -113,7 +113,7 @@ def _wait_ready(dep: LocalDeployment, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[LocalDeployment]:
-    from adaserve.model.cpu_gemm import KernelUnavailable, build
+    from adaserve.model.cpu_gemm import ISA_FLAGS, KernelUnavailable, build
     from adaserve.model.embedded import cache_root
     from adaserve.model.loader import resolve_model
 
@@ -128,11 +128,11 @@ def deployment() -> Iterator[LocalDeployment]:
     assert converted.parent == cache_root() / "gguf"
     # ... and the packed CPU kernel its builder stage compiled (cpu_gemm.build).
     try:
-        kernel_lib = build()
+        kernel_libs = [build(isa) for isa in ISA_FLAGS]  # the image builds both
     except KernelUnavailable:
         pass  # no compiler here: the services run on MKL, as they would without the file
     else:
-        (image_cache / "kernels").symlink_to(kernel_lib.parent, target_is_directory=True)
+        (image_cache / "kernels").symlink_to(kernel_libs[0].parent, target_is_directory=True)
     image_home = workdir / "image" / "home-adaserve"
     image_home.mkdir(parents=True)
     dep = LocalDeployment(

@@ -1,23 +1,27 @@
-"""fp32 linear layers on AVX-512 CPUs through our own few-row GEMM (csrc/skinny_gemm.cpp).
+"""fp32 linear layers on x86-64 CPUs through our own few-row GEMM (csrc/skinny_gemm.cpp).
 
 On the CPU a decode step or a tree verification multiplies 1-16 token rows by every
 weight of the model, so its cost is reading the weights. MKL's sgemm reads them at
-full speed for one row but pays ~1.5x for the 4-8 rows of a verified tree, which eats
-most of what speculation gains at one request. The packed kernel streams each weight
-once for up to 8 rows at a time: 5 rows cost about what 1 does, and a 256-row prefill
-chunk within ~10% of MKL (`benchmarks/bench_verify.py --cpu-kernel auto mkl`).
+full speed for one row but pays ~1.5x for the 4-8 rows of a verified tree on an Intel
+AVX-512 host, and 2-3x on an AMD AVX2 one (where its one-row path is also half our
+speed), which eats what speculation gains at one request. The packed kernel streams
+each weight once for a few rows at a time: 5 rows cost about what 1 does, and a
+256-row prefill chunk within ~10% of MKL (`benchmarks/bench_verify.py --cpu-kernel
+auto mkl`).
 
+One source builds for AVX-512 or for AVX2 + FMA, whichever the CPU has
+(`supported_isas()`).
 Each output is the same sequence of FMA chains (128 input features each, summed in
-order) for any number of rows, so a token's logits do not depend on the tree verified
-beside it. The result differs from MKL's in the last bits (another summation order),
-as any two BLAS do.
+order) for any number of rows and on either build, so a token's logits do not depend
+on the tree verified beside it. The result differs from MKL's in the last bits
+(another summation order), as any two BLAS do.
 
 The kernel is compiled on first use with the system's g++ (about a second) into
 ~/.cache/adaserve/kernels (ADASERVE_CACHE_DIR moves it) and loaded through ctypes. The
-CPU image builds it in its builder stage (`build()`) and ships it in its cache, as it
-does the converted model: its runtime stage has no compiler and a read-only root.
-Without g++, an AVX-512 CPU or an x86 Linux host, `pack_linears` leaves the model on
-MKL and says why; `cpu_kernel: mkl` (ADASERVE_MODEL__CPU_KERNEL=mkl) asks for MKL.
+CPU image builds both in its builder stage (`build()`) and ships them in its cache, as
+it does the converted model: its runtime stage has no compiler and a read-only root.
+Without g++, AVX2 or an x86 Linux host, `pack_linears` leaves the model on MKL and
+says why; `cpu_kernel: mkl` (ADASERVE_MODEL__CPU_KERNEL=mkl) asks for MKL.
 """
 
 from __future__ import annotations
@@ -44,20 +48,24 @@ log = logging.getLogger("adaserve.model")
 
 CPU_KERNELS = ("auto", "mkl")
 SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# torch's name for the CPU's vector capability -> our build of the kernel for it.
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+_TORCH_ISA = {"AVX512": "avx512", "AVX2": "avx2"}
 
 
 class KernelUnavailable(RuntimeError):
     """The packed kernel cannot run here (the message says why)."""
 
 
-def build() -> Path:
-    """The compiled library for this source and these flags, built into the cache if it
-    is not there yet (no CPU check: the Docker image builds it where it is built);
-    KernelUnavailable without a compiler."""
+def build(isa: str) -> Path:
+    """The compiled library for this source and instruction set, built into the cache
+    if it is not there yet (no CPU check: the Docker image builds both where it is
+    built); KernelUnavailable without a compiler."""
+    flags = (*FLAGS, *ISA_FLAGS[isa])
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib = cache_root() / "kernels" / f"skinny_gemm-{key}.so"
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    lib = cache_root() / "kernels" / f"skinny_gemm-{isa}-{key}.so"
     if lib.exists():
         return lib  # nothing written: a read-only image cache is fine
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -69,7 +77,7 @@ def build() -> Path:
         if not lib.exists():
             tmp = lib.with_suffix(f".{os.getpid()}.tmp")
             proc = subprocess.run(
-                [cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
+                [cxx, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
             )
             if proc.returncode != 0:
                 raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
@@ -77,17 +85,25 @@ def build() -> Path:
     return lib
 
 
-@cache
-def kernel() -> ctypes.CDLL:
-    """The kernel library, loaded (and built once per source and flags); KernelUnavailable
-    where it cannot run."""
+def supported_isas() -> tuple[str, ...]:
+    """The builds this CPU runs, widest first (an AVX-512 CPU also runs the AVX2 one);
+    KernelUnavailable where none does."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise KernelUnavailable(f"needs x86-64 Linux, not {platform.system()} {platform.machine()}")
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        raise KernelUnavailable(
-            f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
-        )
-    dll = ctypes.CDLL(str(build()))
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _TORCH_ISA:
+        raise KernelUnavailable(f"needs AVX2 + FMA or AVX-512 (this CPU: {capability})")
+    return ("avx512", "avx2") if capability == "AVX512" else ("avx2",)
+
+
+@cache
+def kernel(isa: str | None = None) -> ctypes.CDLL:
+    """The kernel library for `isa` (default: the widest this CPU runs), loaded, and
+    built once per source and flags; KernelUnavailable where it cannot run."""
+    isas = supported_isas()
+    if isa is not None and isa not in isas:
+        raise KernelUnavailable(f"this CPU does not run the {isa} build (it runs {isas})")
+    dll = ctypes.CDLL(str(build(isa or isas[0])))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     dll.adaserve_skinny_linear.restype = None
@@ -119,13 +135,18 @@ def quantize_columns(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) through the packed kernel; x [T, in] fp32, any T. With int8,
-    W is stored int8 per output feature (a drafter's layers: quantize.py)."""
+    W is stored int8 per output feature (a drafter's layers: quantize.py). `isa` picks
+    a build other than the CPU's widest (tests compare them)."""
 
     def __init__(
-        self, weight_t: torch.Tensor, bias: torch.Tensor | None, int8: bool = False
+        self,
+        weight_t: torch.Tensor,
+        bias: torch.Tensor | None,
+        int8: bool = False,
+        isa: str | None = None,
     ) -> None:
         super().__init__()
-        lib = kernel()
+        lib = kernel(isa)
         block = lib.adaserve_skinny_block()
         self.in_features, self.out_features = weight_t.shape
         self.int8 = int8
@@ -201,5 +222,5 @@ def pack_linears(model: LlamaModel, mode: str = "auto") -> int:
             model.embed = PackedEmbedding(packed)
         setattr(parent, name, packed)
         swapped += 1
-    log.info("%d linear layers on the packed CPU kernel", swapped)
+    log.info("%d linear layers on the packed CPU kernel (%s)", swapped, supported_isas()[0])
     return swapped

@@ -1,12 +1,16 @@
-// y[M, N] = x[M, K] @ W^T (+ bias) for fp32 on AVX-512 CPUs, with W packed as
-// [ceil(N / 32), K, 32]: each block of 32 output columns is one contiguous stream.
+// y[M, N] = x[M, K] @ W^T (+ bias) for fp32 on x86-64 CPUs with AVX-512 or AVX2 + FMA,
+// with W packed as [ceil(N / 32), K, 32]: each block of 32 output columns is one
+// contiguous stream. The same source builds once per instruction set (cpu_gemm.py
+// passes -mavx512f or -mavx2); only the vector width and the register tile differ.
 //
 // Decoding and tree verification multiply a few rows (M = 1..16) by large weights, so
-// their cost is reading the weights. A tile holds up to 8 rows of outputs in registers
-// and streams its blocks' weights once for all of them, so 5 rows cost about what 1
-// does; MKL's sgemm pays ~1.5x for 5 rows on the same host (adaserve/model/cpu_gemm.py).
+// their cost is reading the weights. A tile holds a few rows of outputs in registers
+// and streams its blocks' weights once for all of them (later row groups re-read the
+// block from L2, not DRAM), so 5 rows cost about what 1 does; MKL's sgemm pays ~1.5x
+// for 5 rows on an Intel AVX-512 host and 2-3x on an AMD AVX2 one (cpu_gemm.py).
 // Every output is the same sequential FMA chain over k whatever M and the tiling are,
-// so a token's logits do not depend on how many tree tokens were verified beside it.
+// so a token's logits do not depend on how many tree tokens were verified beside it,
+// and both builds give the same bits.
 //
 // The same kernel takes int8 weights with one float scale per output (a CPU drafter's
 // layers): a quarter of the bytes to stream, converted to float in registers, while
@@ -21,69 +25,120 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;   // output columns per packed block: two zmm registers
-constexpr int kRows = 8;         // rows per register tile (8 x 2 x 2 zmm accumulators at most)
+#if defined(__AVX512F__)
+// 32 zmm registers: 8 rows x 2 vectors x up to 2 blocks of accumulators.
+using vec = __m512;
+using vmask = __mmask16;
+constexpr int kLanes = 16;
+constexpr int kRows = 8;
+constexpr int kMaxBlocksPerTile = 2;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline vmask vmask_first(int64_t n) {
+  return n >= 16 ? (vmask)0xFFFF : n <= 0 ? (vmask)0 : (vmask)((1u << n) - 1);
+}
+inline bool vmask_any(vmask m) { return m != 0; }
+inline vec vload_masked(vmask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline void vstore_masked(float* p, vmask m, vec v) { _mm512_mask_storeu_ps(p, m, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 16 ymm registers: a tile of 5 rows x 4 vectors (one block) spills some accumulators
+// to L1, yet on Zen 3 a forward's linear layers for 5 rows cost ~1.1x one row with it,
+// against ~1.4x with 2 rows (no spill, but a third pass over each block).
+using vec = __m256;
+using vmask = __m256i;
+constexpr int kLanes = 8;
+constexpr int kRows = 5;
+constexpr int kMaxBlocksPerTile = 1;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline vmask vmask_first(int64_t n) {
+  const int c = n >= 8 ? 8 : n <= 0 ? 0 : (int)n;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline bool vmask_any(vmask m) { return !_mm256_testz_si256(m, m); }
+inline vec vload_masked(vmask m, const float* p) { return _mm256_maskload_ps(p, m); }
+inline void vstore_masked(float* p, vmask m, vec v) { _mm256_maskstore_ps(p, m, v); }
+#else
+#error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma"
+#endif
+
+constexpr int64_t kBlock = 32;   // output columns per packed block
+constexpr int kVecs = kBlock / kLanes;  // vectors per block row
 constexpr int64_t kAhead = 32;   // prefetch distance in k: 4 KB ahead in each stream
 constexpr int64_t kChunk = 128;  // features per FMA chain (see tile)
 
-// 16 weights of a block row as floats.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-
-inline __mmask16 mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1); }
-
 // M rows x B adjacent blocks (B * 32 columns) over features [k0, k1); ncols: valid
 // columns from the first. The first chunk stores its sums, later ones add theirs to y,
-// and the last applies the scale (int8 weights) and adds the bias: per output, sequential FMA chains of kChunk features
-// summed in order, about as accurate as MKL's own k-blocking (one chain over all 1536
-// features of a down projection drifts ~2x further from float64).
+// and the last applies the scale (int8 weights) and adds the bias: per output,
+// sequential FMA chains of kChunk features summed in order, about as accurate as MKL's
+// own k-blocking (one chain over all 1536 features of a down projection drifts ~2x
+// further from float64).
 template <typename W, int M, int B>
 inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const W* w,
                  const float* scale, const float* bias, float* y, int64_t ldy, int64_t ncols) {
-  constexpr int V = 2 * B;
-  __m512 acc[M][V];
+  constexpr int V = kVecs * B;
+  vec acc[M][V];
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[m][v] = vzero();
   const int64_t bs = K * kBlock;
   for (int64_t k = k0; k < k1; ++k) {
-    __m512 wv[V];
+    vec wv[V];
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) {
       const W* p = w + b * bs + k * kBlock;
       _mm_prefetch((const char*)(p + kAhead * kBlock), _MM_HINT_T0);
       if (sizeof(W) * kBlock > 64) _mm_prefetch((const char*)(p + kAhead * kBlock + 16), _MM_HINT_T0);
-      wv[2 * b] = load16(p);
-      wv[2 * b + 1] = load16(p + 16);
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) wv[kVecs * b + j] = vload(p + kLanes * j);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
+      const vec xv = vset1(x[m * K + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[m][v] = vfma(xv, wv[v], acc[m][v]);
     }
   }
   const bool first = k0 == 0, last = k1 == K;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int v = 0; v < V; ++v) {
-    const __mmask16 mk = mask(ncols - 16 * v);
-    if (mk == 0) break;
-    const __m512 bv = last && bias != nullptr ? _mm512_maskz_loadu_ps(mk, bias + 16 * v)
-                                              : _mm512_setzero_ps();
-    const __m512 sv = last && scale != nullptr ? _mm512_maskz_loadu_ps(mk, scale + 16 * v)
-                                               : _mm512_setzero_ps();
+    const vmask mk = vmask_first(ncols - kLanes * v);
+    if (!vmask_any(mk)) break;
+    const vec bv = last && bias != nullptr ? vload_masked(mk, bias + kLanes * v) : vzero();
+    const vec sv = last && scale != nullptr ? vload_masked(mk, scale + kLanes * v) : vzero();
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      float* out = y + m * ldy + 16 * v;
-      __m512 sum = first ? acc[m][v] : _mm512_add_ps(_mm512_maskz_loadu_ps(mk, out), acc[m][v]);
-      if (last && scale != nullptr) sum = _mm512_mul_ps(sum, sv);
-      if (last && bias != nullptr) sum = _mm512_add_ps(sum, bv);
-      _mm512_mask_storeu_ps(out, mk, sum);
+      float* out = y + m * ldy + kLanes * v;
+      vec sum = first ? acc[m][v] : vadd(vload_masked(mk, out), acc[m][v]);
+      if (last && scale != nullptr) sum = vmul(sum, sv);
+      if (last && bias != nullptr) sum = vadd(sum, bv);
+      vstore_masked(out, mk, sum);
     }
   }
+}
+
+template <typename W, int B, int R>
+inline void tile_rows(const float* x, int64_t m, int64_t K, int64_t k0, int64_t k1, const W* w,
+                      const float* scale, const float* bias, float* y, int64_t N, int64_t ncols) {
+  if constexpr (R > 1) {
+    if (m < R) return tile_rows<W, B, R - 1>(x, m, K, k0, k1, w, scale, bias, y, N, ncols);
+  }
+  tile<W, R, B>(x, K, k0, k1, w, scale, bias, y, N, ncols);
 }
 
 template <typename W, int B>
@@ -95,16 +150,7 @@ inline void rows(const float* x, int64_t M, int64_t K, const W* w, const float* 
     const int64_t m = M - m0 < kRows ? M - m0 : kRows;
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t k1 = K - k0 < kChunk ? K : k0 + kChunk;
-      switch (m) {
-        case 1: tile<W, 1, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        case 2: tile<W, 2, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        case 3: tile<W, 3, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        case 4: tile<W, 4, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        case 5: tile<W, 5, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        case 6: tile<W, 6, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        case 7: tile<W, 7, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-        default: tile<W, 8, B>(xm, K, k0, k1, w, scale, bias, ym, N, ncols); break;
-      }
+      tile_rows<W, B, kRows>(xm, m, K, k0, k1, w, scale, bias, ym, N, ncols);
     }
   }
 }
@@ -113,8 +159,9 @@ template <typename W>
 void linear(const float* x, int64_t M, int64_t K, const W* packed, const float* scale,
             int64_t N, const float* bias, float* y, int threads) {
   const int64_t blocks = (N + kBlock - 1) / kBlock;
-  // Few rows: two blocks per tile, for more independent FMA chains and weight streams.
-  const int64_t per = M <= 4 ? 2 : 1;
+  // Few rows: two blocks per tile where registers allow, for more independent FMA
+  // chains and weight streams.
+  const int64_t per = M <= 4 && kMaxBlocksPerTile >= 2 ? 2 : 1;
   const int64_t tiles = (blocks + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < tiles; ++t) {
@@ -124,8 +171,13 @@ void linear(const float* x, int64_t M, int64_t K, const W* packed, const float* 
     const float* bb = bias == nullptr ? nullptr : bias + b * kBlock;
     const int64_t ncols = N - b * kBlock;
     float* yb = y + b * kBlock;
-    if (per == 2 && b + 1 < blocks) rows<W, 2>(x, M, K, w, sb, bb, yb, N, ncols);
-    else rows<W, 1>(x, M, K, w, sb, bb, yb, N, ncols);
+    if constexpr (kMaxBlocksPerTile >= 2) {
+      if (per == 2 && b + 1 < blocks) {
+        rows<W, 2>(x, M, K, w, sb, bb, yb, N, ncols);
+        continue;
+      }
+    }
+    rows<W, 1>(x, M, K, w, sb, bb, yb, N, ncols);
   }
 }
 
