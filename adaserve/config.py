@@ -141,10 +141,12 @@ class ModelSettings(BaseModel):
     # (about twice as fast a draft step; output unchanged, the target verifies every
     # token). Ignored on a GPU, so one settings file serves both.
     drafter_quantization: Literal["none", "int8"] = "none"
-    # "auto": float32 models on an AVX-512 CPU run their linear layers on adaserve's
-    # packed few-row kernel (built with g++ on first use; MKL where it cannot be), which
-    # verifies a 5-token tree in ~1.1x a plain decode step instead of MKL's ~1.5x.
-    # "mkl": always MKL (adaserve/model/cpu_gemm.py).
+    # "auto": float32 models on an x86-64 CPU with AVX-512 or AVX2 run their linear
+    # layers on adaserve's packed few-row kernel (built with g++ on first use; MKL where
+    # it cannot be), which verifies a 5-token tree in ~1.1x a plain decode step instead
+    # of MKL's 1.5-3x, and their RMSNorms and small-batch tree attention on ops built
+    # with it. "mkl": always MKL and torch's own ops (adaserve/model/cpu_gemm.py,
+    # cpu_ops.py).
     cpu_kernel: Literal["auto", "mkl"] = "auto"
 
 

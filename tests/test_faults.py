@@ -270,20 +270,21 @@ def test_grpc_deadline_cancels_everywhere(dep: Deployment) -> None:
 
 
 def test_unattainable_slo_is_served_best_effort_and_flagged(dep: Deployment) -> None:
-    """An SLO below the deployment's floor (baseline 20 ms / (d_max 8 + 1)) is served,
-    not refused (policy `best_effort`, the default), and flagged in the response and in
-    the gateway's metrics."""
+    """An SLO below the deployment's floor (a measured 1-token iteration / (d_max 8 + 1):
+    no forward through this stack takes under 0.45 ms) is served, not refused (policy
+    `best_effort`, the default), and flagged in the response and in the gateway's
+    metrics."""
     name = "adaserve_gateway_best_effort_requests_total"
     before = metric(f"{dep.gateway.url}/metrics", name, 'slo_class="custom"')
     r = httpx.post(
         f"{dep.gateway.url}/v1/completions",
         json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
-        | {"ignore_eos": True, "tpot_slo_ms": 0.5},
+        | {"ignore_eos": True, "tpot_slo_ms": 0.05},
         timeout=60,
     )
     assert r.status_code == 200
     body = r.json()
-    assert body["slo"] == {"tpot_slo_ms": 0.5, "slo_class": "custom", "best_effort": True}
+    assert body["slo"] == {"tpot_slo_ms": 0.05, "slo_class": "custom", "best_effort": True}
     assert body["choices"][0]["text"] == dep.text(dep.reference(1, 12))
     assert metric(f"{dep.gateway.url}/metrics", name, 'slo_class="custom"') == before + 1
 

@@ -71,14 +71,17 @@ def test_logits_match_transformers(embedded_dir: Path) -> None:
     runner.add_sequence("s")
     n = len(ids)
     got = runner.forward([SeqInput.chain("s", ids)])
-    torch.testing.assert_close(got, ref[:n], atol=1e-4, rtol=0)
+    # Logits of magnitude ~10-20 through 30 layers, summed in another order than
+    # transformers' (our GEMM and attention): float32 rounding is ~1e-5 relative.
+    atol = 2e-4
+    torch.testing.assert_close(got, ref[:n], atol=atol, rtol=0)
     runner.commit("s", range(n))
     # Tree: the true continuation as a chain, plus a wrong sibling at each level.
     cont = gen[n:]
     tokens = np.array([cont[0], cont[1], 7, cont[2], 8, cont[3]], dtype=np.int32)
     parents = np.array([-1, 0, 0, 1, 1, 3], dtype=np.int32)
     tree = runner.forward([SeqInput("s", tokens, parents)])
-    torch.testing.assert_close(tree[[0, 1, 3, 5]], ref[n:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(tree[[0, 1, 3, 5]], ref[n:], atol=atol, rtol=0)
     runner.commit("s", [0, 1, 3])
     nxt = runner.forward([SeqInput.chain("s", [cont[3]])])
-    torch.testing.assert_close(nxt[0], ref[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(nxt[0], ref[-1], atol=atol, rtol=0)

@@ -16,7 +16,10 @@ order) for any number of rows and on either build, so a token's logits do not de
 on the tree verified beside it. The result differs from MKL's in the last bits
 (another summation order), as any two BLAS do.
 
-The kernel is compiled on first use with the system's g++ (about a second) into
+The same library holds the small per-layer ops (tree attention, RMSNorm) that
+cpu_ops.py puts around these layers.
+
+The library is compiled on first use with the system's g++ (about a second) into
 ~/.cache/adaserve/kernels (ADASERVE_CACHE_DIR moves it) and loaded through ctypes. The
 CPU image builds both in its builder stage (`build()`) and ships them in its cache, as
 it does the converted model: its runtime stage has no compiler and a read-only root.
@@ -47,7 +50,10 @@ from adaserve.model.llama import LlamaModel
 log = logging.getLogger("adaserve.model")
 
 CPU_KERNELS = ("auto", "mkl")
-SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# One library: the GEMM, and the per-layer ops beside it (cpu_ops.py).
+SOURCES = (CSRC / "skinny_gemm.cpp", CSRC / "cpu_ops.cpp")
+HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 # torch's name for the CPU's vector capability -> our build of the kernel for it.
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}
@@ -63,9 +69,9 @@ def build(isa: str) -> Path:
     if it is not there yet (no CPU check: the Docker image builds both where it is
     built); KernelUnavailable without a compiler."""
     flags = (*FLAGS, *ISA_FLAGS[isa])
-    src = SOURCE.read_bytes()
+    src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    lib = cache_root() / "kernels" / f"skinny_gemm-{isa}-{key}.so"
+    lib = cache_root() / "kernels" / f"adaserve_cpu-{isa}-{key}.so"
     if lib.exists():
         return lib  # nothing written: a read-only image cache is fine
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -77,7 +83,7 @@ def build(isa: str) -> Path:
         if not lib.exists():
             tmp = lib.with_suffix(f".{os.getpid()}.tmp")
             proc = subprocess.run(
-                [cxx, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
+                [cxx, *flags, "-o", str(tmp), *map(str, SOURCES)], capture_output=True, text=True
             )
             if proc.returncode != 0:
                 raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip()[-500:]}")
@@ -108,6 +114,12 @@ def kernel(isa: str | None = None) -> ctypes.CDLL:
     dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     dll.adaserve_skinny_linear.restype = None
     dll.adaserve_skinny_block.restype = ctypes.c_int
+    f32, i32 = ctypes.c_float, ctypes.c_int
+    dll.adaserve_tree_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr]
+    dll.adaserve_tree_attention.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, i64, f32, ptr, i32]
+    dll.adaserve_tree_attention.restype = i32
+    dll.adaserve_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]
+    dll.adaserve_rms_norm.restype = None
     return dll
 
 

@@ -127,8 +127,9 @@ def load_runner(
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
     and returns a TPRunner with the same interface. `quantization` "int8" is for a CPU
     drafter only (adaserve/model/quantize.py); `cpu_kernel` "auto" runs a one-rank fp32
-    CPU model's linear layers on the packed kernel where it builds, "mkl" on MKL
-    (adaserve/model/cpu_gemm.py)."""
+    CPU model's linear layers on the packed kernel where it builds, and its RMSNorms
+    and small-batch attention on the ops built with it, "mkl" on MKL and torch
+    (adaserve/model/cpu_gemm.py, cpu_ops.py)."""
     path = resolve_model(spec, role)
     kwargs: dict[str, Any] = dict(
         kv_block_size=kv_block_size,
@@ -190,17 +191,23 @@ def build_runner(
         log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
     elif quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r} (none | int8)")
+    heads = cfg.num_heads // tp.size
+    backend = None
     if device.type == "cpu" and dtype == torch.float32 and tp.size == 1:
-        from adaserve.model.cpu_gemm import pack_linears
+        from adaserve.model import cpu_ops
+        from adaserve.model.cpu_gemm import pack_linears, packed_kernel_available
 
         pack_linears(model, cpu_kernel)
+        if packed_kernel_available(cpu_kernel):  # the per-layer ops come with the GEMM
+            cpu_ops.swap_norms(model)
+            if attention_backend == "auto" and cpu_ops.supports(heads, kv_heads, cfg.head_dim):
+                backend = cpu_ops.CpuTreeBackend(heads, kv_heads, cfg.head_dim)
     storage = KVStorage(
         cfg.num_layers, kv_blocks, kv_block_size, kv_heads, cfg.head_dim, dtype, device
     )
     cache = PagedKVCache(storage, kv_blocks, kv_block_size)
-    backend = make_backend(
-        attention_backend, cfg.num_heads // tp.size, kv_heads, cfg.head_dim, device
-    )
+    if backend is None:
+        backend = make_backend(attention_backend, heads, kv_heads, cfg.head_dim, device)
     runner = ModelRunner(model, cfg, cache, backend, device, dtype, max_len)
     runner.draft_to_target = None if d2t is None else d2t.to(device)
     return runner

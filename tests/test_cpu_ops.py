@@ -1,0 +1,139 @@
+"""Tree attention and RMSNorm from adaserve's CPU library (adaserve/model/cpu_ops.py):
+the attention equals the reference backend's on random trees, batches and GQA groups
+(q and kv read in place from the fused qkv row), a query's output is bitwise the same
+whatever other queries share the call, forwards of many tokens go to the reference
+backend, the norm equals torch's, and the loader puts both into fp32 CPU models only
+where the library runs (MKL asked for: none of it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaserve.model import cpu_gemm, cpu_ops
+from adaserve.model.attention import ReferenceBackend, ReferenceMetadata
+from adaserve.model.kv_cache import KVStorage, PagedKVCache
+from adaserve.model.layers import RMSNorm
+from adaserve.model.loader import load_runner
+from adaserve.model.random_trees import random_qkv, random_tree_batch
+from tests.conftest import make_tiny_model
+
+try:
+    cpu_gemm.kernel()
+    WHY = None
+except (cpu_gemm.KernelUnavailable, OSError) as exc:
+    WHY = str(exc)
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU library unavailable: {WHY}")
+
+CPU = torch.device("cpu")
+
+
+def make_cache(kv_heads: int, head_dim: int, blocks: int = 256, block_size: int = 4):
+    storage = KVStorage(1, blocks, block_size, kv_heads, head_dim, torch.float32, CPU)
+    storage.kv.normal_()
+    return PagedKVCache(storage, blocks, block_size)
+
+
+def fused_qkv(t: int, heads: int, kv_heads: int, d: int, seed: int):
+    """q and kv_new as the model hands them over: views into one fused qkv row."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    return qkv[:, : heads * d].view(t, heads, d), qkv[:, heads * d :].view(t, 2, kv_heads, d)
+
+
+@pytest.mark.parametrize("shape", ["random", "rooted", "chain", "flat"])
+@pytest.mark.parametrize("group,head_dim", [(1, 16), (3, 64), (4, 32), (16, 16)])
+def test_tree_attention_matches_the_reference(shape: str, group: int, head_dim: int) -> None:
+    kv_heads = 2
+    heads = kv_heads * group
+    specs = [(0, 1), (5, 3), (9, 1), (30, 12), (3, 4)]  # 21 new tokens, ragged batch
+    batches = [
+        (c, random_tree_batch(c, specs, np.random.default_rng(group), shape))
+        for c in make_pair(kv_heads, head_dim)
+    ]
+    (c_ref, b_ref), (c_cpu, b_cpu) = batches
+    q, kv_new = fused_qkv(sum(b_ref.query_lens), heads, kv_heads, head_dim, seed=group)
+    ref = ReferenceBackend(heads, kv_heads, head_dim, CPU)
+    expected = ref.attend(0, q.contiguous(), kv_new.contiguous(), c_ref.storage, ref.plan(b_ref))
+    cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, head_dim)
+    got = cpu.attend(0, q, kv_new, c_cpu.storage, cpu.plan(b_cpu))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    # ... and it wrote the new nodes' KV where the reference did.
+    assert torch.equal(c_cpu.storage.kv, c_ref.storage.kv)
+
+
+def make_pair(kv_heads: int, head_dim: int):
+    """Two caches with the same contents, so one batch spec builds the same batch in both."""
+    a = make_cache(kv_heads, head_dim)
+    b = make_cache(kv_heads, head_dim)
+    b.storage.kv.copy_(a.storage.kv)
+    return a, b
+
+
+def test_a_query_gets_the_same_bits_whatever_else_is_in_the_call() -> None:
+    """The lossless argument for attention: a tree node's output does not depend on the
+    other nodes or sequences verified with it."""
+    heads, kv_heads, d = 9, 3, 64
+    cache = make_cache(kv_heads, d)
+    batch = random_tree_batch(cache, [(40, 6), (17, 3), (0, 1)], np.random.default_rng(3))
+    q, kv_new = random_qkv(10, heads, kv_heads, d, torch.float32, CPU)
+    cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, d)
+    together = cpu.attend(0, q, kv_new, cache.storage, cpu.plan(batch))
+    # Each sequence alone (its KV is in the cache now): the same bits for its rows.
+    start = 0
+    for i, k in enumerate(batch.query_lens):
+        alone = type(batch)(
+            query_lens=[k],
+            slot_mapping=batch.slot_mapping[start : start + k],
+            kv_slots=[batch.kv_slots[i]],
+            visible=[batch.visible[i]],
+            block_tables=[batch.block_tables[i]],
+        )
+        rows = slice(start, start + k)
+        got = cpu.attend(0, q[rows], kv_new[rows], cache.storage, cpu.plan(alone))
+        assert torch.equal(got, together[rows]), i
+        start += k
+
+
+def test_many_tokens_go_to_the_reference_backend() -> None:
+    heads, kv_heads, d = 4, 2, 16
+    cache = make_cache(kv_heads, d)
+    batch = random_tree_batch(cache, [(3, cpu_ops.MAX_QUERIES + 1)], np.random.default_rng(0))
+    cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, d)
+    meta = cpu.plan(batch)
+    assert isinstance(meta, ReferenceMetadata)
+    q, kv_new = random_qkv(cpu_ops.MAX_QUERIES + 1, heads, kv_heads, d, torch.float32, CPU)
+    assert cpu.attend(0, q, kv_new, cache.storage, meta).isfinite().all()
+
+
+def test_unsupported_shapes_are_refused() -> None:
+    assert cpu_ops.supports(9, 3, 64)
+    assert not cpu_ops.supports(9, 3, 72)  # head_dim not a multiple of 16
+    assert not cpu_ops.supports(34, 2, 64)  # 17 query heads per KV head
+    with pytest.raises(ValueError, match="CpuTreeBackend"):
+        cpu_ops.CpuTreeBackend(9, 3, 72)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 257])
+def test_rms_norm_matches_torch(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(576, generator=g), torch.randn(rows, 576, generator=g) * 3
+    norm = cpu_ops.CpuRMSNorm(w, 1e-5)
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    # a shape it does not take goes to torch
+    x3 = x[None]
+    torch.testing.assert_close(norm(x3), F.rms_norm(x3, (576,), w, 1e-5))
+
+
+@pytest.mark.parametrize("cpu_kernel,expect", [("auto", True), ("mkl", False)])
+def test_loader_uses_them_only_with_the_library(tmp_path, cpu_kernel, expect) -> None:
+    path = make_tiny_model(
+        tmp_path, "llama", seed=0, hidden_size=64, num_attention_heads=4, num_key_value_heads=2
+    )
+    runner = load_runner(path, "cpu", "float32", kv_blocks=64, cpu_kernel=cpu_kernel)
+    norms = [m for m in runner.model.modules() if isinstance(m, cpu_ops.CpuRMSNorm)]
+    assert bool(norms) == expect
+    assert all(type(m) is not RMSNorm for m in runner.model.modules()) == expect
+    assert isinstance(runner.backend, cpu_ops.CpuTreeBackend) == expect
