@@ -95,6 +95,12 @@ class AdaptiveSettings(BaseModel):
     # if the longer iteration keeps every other request within this fraction of its SLO
     # (adaptive.slack_plan); None -> never. Needs draft_cost_tokens (the cost model).
     slack_margin: float | None = Field(default=0.8, gt=0.0, le=1.0)
+    # The drafter ends a request's beam search before a step in which none of its
+    # beams has a path probability f of at least this (adaserve/speculate.py): the
+    # drafter's confidence sets each tree's depth, up to the planned d. None -> off.
+    # Where the cost cap plans two or more steps, the depth is then the eurosys/v1 one
+    # and the stop rule cuts it short; where it plans one or none, the cap stands.
+    draft_stop_prob: float | None = Field(default=None, gt=0.0, lt=1.0)
 
 
 class SchedulerSettings(BaseModel):

@@ -415,9 +415,10 @@ class Engine:
             DraftUpdate(r.req.id, np.asarray(r.tokens[r.drafter_len :], np.int32), len(r.tokens))
             for r in drafted
         ]
+        stop = self.settings.scheduler.adaptive.draft_stop_prob or 0.0
         try:
             try:
-                trees = self.drafter.speculate(updates, depth, width)
+                trees = self.drafter.speculate(updates, depth, width, stop)
             except DrafterStateLost as lost:
                 # Re-sync those requests from their full history; the rest are unchanged.
                 metrics.drafter_resyncs_total.inc(len(lost.ids))
@@ -428,7 +429,7 @@ class Engine:
                     else u
                     for u, r in zip(updates, drafted, strict=True)
                 ]
-                trees = self.drafter.speculate(updates, depth, width)
+                trees = self.drafter.speculate(updates, depth, width, stop)
             # As with selections: another process's trees are checked, our own beam
             # search's are not re-validated on the hot path (select() validates the
             # structure of whatever it is given anyway).

@@ -13,6 +13,11 @@ engine committed that are not in the draft KV yet (their last one is the root). 
 * afterwards the pending chain is committed and every beam node is dropped, so
   speculative KV only ever lives in the runner's scratch for the call.
 
+With `stop_prob` > 0 a request's search ends before a step in which none of its beams
+has a path probability of at least `stop_prob`: the drafter's own confidence decides
+how deep each tree goes, up to `depth` (EAGLE-2 and SpecDec++ stop on the same signal).
+Those requests drop out of the later forwards, and the call ends when none is left.
+
 Each request gets a beam tree: root (the last committed token) then d layers of w
 nodes, 1 + d*w nodes, layer j's nodes at 1 + (j-1)*w ... j*w, conditional log q per
 node, parents topologically ordered.
@@ -21,6 +26,7 @@ node, parents topologically ordered.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -59,7 +65,7 @@ class DrafterStats:
 
 class Drafter(Protocol):
     def speculate(
-        self, updates: list[DraftUpdate], depth: int, width: int
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
     ) -> list[CandidateTree]: ...
 
     def release(self, ids: list[str]) -> None: ...
@@ -89,9 +95,12 @@ class BeamDrafter:
 
     # -- protocol --------------------------------------------------------------------
 
-    def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
+    def speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
+    ) -> list[CandidateTree]:
         if depth < 0 or width < 1:
             raise ValueError(f"speculate: need depth >= 0 and width >= 1, got {depth}, {width}")
+        check_stop_prob(stop_prob)
         ids = [u.id for u in updates]
         if len(set(ids)) != len(ids):
             raise ValueError("speculate: a request appears twice in one call")
@@ -115,7 +124,7 @@ class BeamDrafter:
         layers = None
         try:
             if active:
-                layers = self._beam_search(active, chains, depth, width)
+                layers = self._beam_search(active, chains, depth, width, stop_prob)
         except BaseException:
             for u in active:
                 if u.id not in fresh:
@@ -132,8 +141,10 @@ class BeamDrafter:
         trees = []
         for u, root in zip(updates, roots, strict=True):
             if layers is not None and u.id in row:
-                i = row[u.id]
-                trees.append(_beam_tree(root, layers[0][i], layers[1][i], layers[2][i], width))
+                i, k = row[u.id], int(layers[3][row[u.id]])
+                trees.append(
+                    _beam_tree(root, layers[0][i, :k], layers[1][i, :k], layers[2][i, :k], width)
+                )
             else:
                 trees.append(CandidateTree.root_only(root))
         return trees
@@ -186,11 +197,17 @@ class BeamDrafter:
 
     @torch.inference_mode()
     def _beam_search(
-        self, active: list[DraftUpdate], chains: dict[str, np.ndarray], depth: int, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        active: list[DraftUpdate],
+        chains: dict[str, np.ndarray],
+        depth: int,
+        width: int,
+        stop_prob: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
         """Per active request: target token ids, beam-parent index and conditional log q
         of every layer, as [n, depth, width] CPU tensors (beam parent: index of the
-        parent within the previous layer; layer 0's is 0 = the root)."""
+        parent within the previous layer; layer 0's is 0 = the root), and how many of
+        those layers it searched (int64 [n]; the rest of its rows are filler)."""
         from adaserve.model.runner import SeqInput
 
         n = len(active)
@@ -204,7 +221,18 @@ class BeamDrafter:
         beam_parent = torch.zeros(n, width, dtype=torch.int64, device=cond.device)
         out_ids, out_par, out_cond = [draft_ids], [beam_parent], [cond]
         base = np.array([chains[u.id].shape[0] for u in active], dtype=np.int64)  # root + 1
+        searched = np.ones(n, dtype=np.int64)
+        log_stop = math.log(stop_prob) if stop_prob > 0 else -math.inf
+        alive = np.arange(n)
         for j in range(1, depth):
+            if stop_prob > 0:
+                # A request goes on while one of its beams is likely enough to be
+                # accepted; the others keep the layers they have.
+                keep = (path[torch.as_tensor(alive)].max(dim=-1).values >= log_stop).cpu().numpy()
+                alive = alive[keep]
+                if alive.shape[0] == 0:
+                    break
+            searched[alive] = j + 1
             frontier = self._to_target(draft_ids).cpu().numpy().astype(np.int32)  # [n, w]
             par = out_par[-1].cpu().numpy()
             # Scratch index of each frontier node's parent: the root for layer 1, else
@@ -214,26 +242,39 @@ class BeamDrafter:
             else:
                 parents = base[:, None] + (j - 2) * width + par
             inputs = [
-                SeqInput(u.id, frontier[i], parents[i].astype(np.int32))
-                for i, u in enumerate(active)
+                SeqInput(active[i].id, frontier[i], parents[i].astype(np.int32)) for i in alive
             ]
             # The best w of a request's w*|V| children are among each beam's own best w
             # (a beam adds one constant path log-prob to all its children), so rank the
             # w*w survivors instead of [n, w*V] scores.
+            m = alive.shape[0]
             child_cond, child_ids = _top_children(self.runner.forward(inputs), width)
-            scores = path[:, :, None] + child_cond.view(n, width, width)
-            path, flat = scores.view(n, width * width).topk(width, dim=-1)  # [n, w]
-            beam_parent = flat // width
-            draft_ids = child_ids.view(n, width * width).gather(1, flat)
-            cond = child_cond.view(n, width * width).gather(1, flat)
+            rows = torch.as_tensor(alive, device=path.device)
+            scores = path[rows][:, :, None] + child_cond.view(m, width, width)
+            best, flat = scores.view(m, width * width).topk(width, dim=-1)  # [m, w]
+            new_ids = child_ids.view(m, width * width).gather(1, flat)
+            new_cond = child_cond.view(m, width * width).gather(1, flat)
+            if m == n:
+                path, beam_parent, draft_ids, cond = best, flat // width, new_ids, new_cond
+            else:  # requests that stopped carry copies of their last layer, never read
+                path, beam_parent = path.clone(), beam_parent.clone()
+                draft_ids, cond = draft_ids.clone(), cond.clone()
+                path[rows], beam_parent[rows] = best, flat // width
+                draft_ids[rows], cond[rows] = new_ids, new_cond
             out_ids.append(draft_ids)
             out_par.append(beam_parent)
             out_cond.append(cond)
         ids = self._to_target(torch.stack(out_ids, dim=1)).cpu()
-        return ids, torch.stack(out_par, dim=1).cpu(), torch.stack(out_cond, dim=1).cpu()
+        par = torch.stack(out_par, dim=1).cpu()
+        return ids, par, torch.stack(out_cond, dim=1).cpu(), searched
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self._d2t is None else self._d2t[draft_ids]
+
+
+def check_stop_prob(stop_prob: float) -> None:
+    if not (0.0 <= stop_prob < 1.0):  # NaN fails too
+        raise ValueError(f"speculate: stop_prob must be in [0, 1), got {stop_prob}")
 
 
 def _top_children(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,13 +89,15 @@ class TimedDrafter:
         self.inner, self.probe = inner, probe
         self.remote = hasattr(inner, "last_timing")  # GrpcDrafter
 
-    def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
+    def speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
+    ) -> list[CandidateTree]:
         it = self.probe.current
         if self.remote:
             self.inner.last_timing = None  # so a failed call reads no stale timing
         clock = _Clock()
         try:
-            return self.inner.speculate(updates, depth, width)
+            return self.inner.speculate(updates, depth, width, stop_prob)
         except Exception:
             it.errors += 1
             raise

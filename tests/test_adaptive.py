@@ -162,7 +162,11 @@ def test_eurosys_with_d_min_zero_stops_drafting_past_half_the_budget():
 
 
 CPU = AdaptiveSettings(
-    d_min=0, d_max=4, w_max=2, draft_cost_tokens=1.3, draft_cost_tokens_per_request=2.2,
+    d_min=0,
+    d_max=4,
+    w_max=2,
+    draft_cost_tokens=1.3,
+    draft_cost_tokens_per_request=2.2,
     acceptance=0.6,
 )
 
@@ -251,3 +255,29 @@ def test_negative_settings_are_rejected():
         AdaptiveSettings(draft_cost_tokens=1.0, draft_cost_tokens_per_request=-0.1)
     with pytest.raises(ValueError):
         AdaptiveSettings(slack_margin=1.5)
+
+
+def test_draft_stop_prob_lifts_the_cap_only_where_it_plans_two_steps_or_more():
+    """With the drafter's confidence ending each tree, a cap of >= 2 steps gives way to
+    the policy's depth; a cap of one step or none stands."""
+    s = AdaptiveSettings(
+        d_min=0,
+        d_max=6,
+        w_max=2,
+        draft_cost_tokens=1.3,
+        draft_cost_tokens_per_request=2.2,
+        acceptance=0.6,
+    )
+    stop = s.model_copy(update={"draft_stop_prob": 0.25})
+    seen = set()
+    for n in range(1, 17):
+        capped, width = plan_depth_width(n, 16, s)
+        eq8, _ = plan_depth_width(n, 16, s.model_copy(update={"draft_cost_tokens": None}))
+        depth, w = plan_depth_width(n, 16, stop)
+        assert w == width
+        assert depth == (eq8 if capped >= 2 else capped), n
+        seen.add(capped)
+    assert {0, 1, 2} <= seen  # every branch was taken
+    assert plan_depth_width(1, 16, stop) == (6, 2)
+    with pytest.raises(ValueError):
+        AdaptiveSettings(draft_stop_prob=1.0)

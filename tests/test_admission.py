@@ -105,11 +105,11 @@ class SwitchableDrafter:
         self.releases: list[list[str]] = []
 
     def speculate(
-        self, updates: Sequence[DraftUpdate], depth: int, width: int
+        self, updates: Sequence[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
     ) -> list[CandidateTree]:
         if self.down:
             raise ConnectionError("drafter: UNAVAILABLE")
-        return self.inner.speculate(list(updates), depth, width)
+        return self.inner.speculate(list(updates), depth, width, stop_prob)
 
     def release(self, ids: list[str]) -> None:
         if self.down:

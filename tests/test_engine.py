@@ -132,13 +132,13 @@ class FlakyDrafter:
         self.inner = inner
         self.calls = 0
 
-    def speculate(self, updates, depth, width):
+    def speculate(self, updates, depth, width, stop_prob=0.0):
         self.calls += 1
         if self.calls % 3 == 0 and self.calls <= 9:
             raise ConnectionError("drafter down")
         if self.calls == 5:
             self.inner.release([u.id for u in updates])  # restart: all state gone
-        return self.inner.speculate(updates, depth, width)
+        return self.inner.speculate(updates, depth, width, stop_prob)
 
     def release(self, ids):
         self.inner.release(ids)
@@ -181,9 +181,9 @@ def record_speculate(engine: Engine) -> list[tuple[list[str], int]]:
     inner = engine.drafter
 
     class Recording:
-        def speculate(self, updates, depth, width):
+        def speculate(self, updates, depth, width, stop_prob=0.0):
             calls.append(([u.id for u in updates], depth))
-            return inner.speculate(updates, depth, width)
+            return inner.speculate(updates, depth, width, stop_prob)
 
         def release(self, ids):
             inner.release(ids)

@@ -84,3 +84,74 @@ def test_target_as_its_own_drafter(smol):
     assert out == ref
     assert sum(stats.accepted) / len(stats.accepted) > 3
     assert target.kv_usage() == 0.0 and draft.kv_usage() == 0.0
+
+
+def test_shipped_pair_under_the_cpu_config_is_lossless(smol):
+    """The engine as `make up` runs it (configs/embedded-cpu.yaml: int8 drafter,
+    confidence-stopped beam search, cost cap) against plain greedy decoding, one
+    request alone and three with mixed SLOs; the stop rule really cuts trees."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from adaserve.config import load_settings
+    from adaserve.engine import Engine
+    from adaserve.request import GenerationRequest, SamplingParams
+    from adaserve.scheduler import LocalScheduler
+    from adaserve.target import RunnerTarget
+
+    target, prompts, ref = smol
+    config = Path(__file__).parents[1] / "configs" / "embedded-cpu.yaml"
+    settings = load_settings(config, slo={"baseline_tpot_ms": 50.0})
+    stop = settings.scheduler.adaptive.draft_stop_prob
+    assert stop is not None
+    draft = load_runner(
+        "embedded",
+        device="cpu",
+        dtype="float32",
+        role="drafter",
+        kv_blocks=128,
+        quantization="int8",
+    )
+    drafter = BeamDrafter(draft)
+    depths: list[int] = []
+    inner = drafter.speculate
+
+    def recording(updates, depth, width, stop_prob=0.0):
+        assert stop_prob == stop
+        trees = inner(updates, depth, width, stop_prob)
+        depths.extend(int(t.depths().max()) for t in trees)
+        return trees
+
+    drafter.speculate = recording
+    engine = Engine(
+        RunnerTarget(target, eos_token_ids=()),
+        drafter,
+        LocalScheduler(settings.scheduler),
+        settings,
+    )
+    for batch in (["p1"], ["p0", "p1", "p2"]):
+        streams = {
+            k: engine.submit(
+                GenerationRequest(
+                    f"{k}-{len(batch)}",
+                    tuple(prompts[k]),
+                    SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                    tpot_slo_ms=[40.0, 100.0, 400.0][i],
+                )
+            )
+            for i, k in enumerate(batch)
+        }
+        out = {k: [] for k in batch}
+        for _ in range(200):
+            engine.step()
+            for k, s in streams.items():
+                while (d := s.get(timeout=0)) is not None:
+                    out[k].extend(d.token_ids)
+            if not engine.has_work():
+                break
+        assert out == {k: ref[k] for k in batch}
+    d_max = settings.scheduler.adaptive.d_max
+    assert depths and max(depths) <= d_max
+    assert len(set(depths)) > 1 and min(np.array(depths)) < d_max  # trees were cut
+    assert target.kv_usage() == 0.0 and draft.kv_usage() == 0.0

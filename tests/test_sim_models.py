@@ -331,3 +331,32 @@ def test_target_caps_at_max_new_and_charges_verify_time():
     assert t.kv_usage() > 0
     t.free("a")
     assert t.kv_usage() == 0
+
+
+def test_drafter_stop_prob_cuts_trees_and_their_draft_time():
+    """The modelled drafter applies BeamDrafter's stop rule: each tree is a prefix of
+    the full-depth one (same draws), cut before a layer none of whose parents reached
+    stop_prob, and the later forwards charge only the requests still searching."""
+    prof = load_profile(LLAMA)
+    sampler = BetaDraft(DraftShape())
+    ids = [f"r{i}" for i in range(6)]
+
+    def run(stop):
+        clock = VirtualClock()
+        d = SimDrafter(prof, clock, lambda _id: sampler, np.random.default_rng(3))
+        return d.speculate(_updates(ids), depth=5, width=2, stop_prob=stop), clock.now
+
+    full, t_full = run(0.0)
+    cut, t_cut = run(0.3)
+    layers = []
+    for c, f in zip(cut, full, strict=True):
+        m = len(c)
+        c.validate()
+        np.testing.assert_array_equal(c.parents, f.parents[:m])
+        np.testing.assert_array_equal(c.logprobs, f.logprobs[:m])
+        k = int(c.depths().max())
+        pf, depth = f.path_probs(), f.depths()
+        assert all(pf[depth == j].max() >= 0.3 for j in range(1, k))
+        assert k == 5 or pf[depth == k].max() < 0.3
+        layers.append(k)
+    assert min(layers) < 5 and t_cut < t_full

@@ -282,3 +282,47 @@ def test_cuda_drafter_and_verifier_match_cpu(tiny_llama_dir):
     }
     for a, b in zip(res["cpu"], res["cuda"], strict=True):
         assert a.emitted_tokens.tolist() == b.emitted_tokens.tolist()
+
+
+@pytest.mark.parametrize("stop_prob", [1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.5])
+def test_stop_prob_cuts_each_tree_where_its_beams_get_unlikely(tiny_llama_dir, stop_prob):
+    """Each request's tree is a prefix of its full-depth tree, cut before the first
+    layer whose predecessor has no beam with path probability >= stop_prob; requests of
+    one call stop independently."""
+    depth, width = 5, 2
+    full = BeamDrafter(_runner(tiny_llama_dir))
+    cut = BeamDrafter(_runner(tiny_llama_dir))
+    ups = [_upd(k, v, len(v)) for k, v in HIST.items()]
+    want = full.speculate(ups, depth, width)
+    got = cut.speculate(ups, depth, width, stop_prob)
+    layers = []
+    for g, w in zip(got, want, strict=True):
+        k = (len(g) - 1) // width  # layers searched
+        assert 1 <= k <= depth and len(g) == 1 + k * width
+        m = len(g)
+        _assert_tree(g, (w.tokens[:m].tolist(), w.parents[:m].tolist(), w.logprobs[:m]))
+        f = w.path_probs()
+        depths = w.depths()
+        for d in range(1, k):  # went on: a beam of each earlier layer was likely enough
+            assert f[depths == d].max() >= stop_prob * (1 - 1e-5)
+        if k < depth:  # stopped: no beam of its last layer was
+            assert f[depths == k].max() < stop_prob * (1 + 1e-5)
+        layers.append(k)
+    if stop_prob == 1e-3:  # the fixture's weights give one call two stopping depths
+        assert len(set(layers)) > 1, layers
+    # Zero searches every request to full depth, as without the argument.
+    again = BeamDrafter(_runner(tiny_llama_dir)).speculate(ups, depth, width, 0.0)
+    for a, w in zip(again, want, strict=True):
+        _assert_tree(a, (w.tokens.tolist(), w.parents.tolist(), w.logprobs))
+    # The state after a cut call is that of a full one: the next call matches.
+    extra = [_upd(k, [3, 4], len(v) + 2) for k, v in HIST.items()]
+    for a, b in zip(full.speculate(extra, 2, 2), cut.speculate(extra, 2, 2), strict=True):
+        _assert_tree(b, (a.tokens.tolist(), a.parents.tolist(), a.logprobs))
+
+
+def test_stop_prob_outside_its_range_is_refused(tiny_llama_dir):
+    drafter = BeamDrafter(_runner(tiny_llama_dir))
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="stop_prob"):
+            drafter.speculate([_upd("a", HIST["a"], 7)], 3, 2, bad)
+    assert drafter.stats().num_sequences == 0

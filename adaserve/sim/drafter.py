@@ -39,7 +39,9 @@ class SimDrafter:
         self._last: dict[str, int] = {}
         self.draft_log: list[tuple[float, float]] = []  # (simulated start s, ms) per call
 
-    def speculate(self, updates: list[DraftUpdate], depth: int, width: int) -> list[CandidateTree]:
+    def speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
+    ) -> list[CandidateTree]:
         lost = [
             u.id
             for u in updates
@@ -60,13 +62,27 @@ class SimDrafter:
             layers = self._static_layers(updates, depth)
         else:
             layers = self._beam_layers(updates, depth, max(1, width))
-        # Forward 1 reads the new tokens; forward l >= 2 reads layer l - 1.
+        searched = _searched_layers(layers, stop_prob)
+        # Forward 1 reads the new tokens; forward l >= 2 reads layer l - 1 of the
+        # requests still searching (BeamDrafter's stop_prob rule).
         start = self.clock.now
         ms = self.profile.draft_ms(new_tokens, start)
-        ms += sum(self.profile.draft_ms(n * q.shape[1], start) for _, q in layers[:-1])
+        ms += sum(
+            self.profile.draft_ms(int((searched > k).sum()) * q.shape[1], start)
+            for k, (_, q) in enumerate(layers[:-1], start=1)
+            if (searched > k).any()
+        )
         self.clock.advance_ms(ms)
         self.draft_log.append((start, ms))
-        return self._trees(updates, layers)
+        trees = self._trees(updates, layers)
+        if stop_prob <= 0:
+            return trees
+        # Layers are stored in order, so a shallower tree is a prefix of the full one.
+        sizes = np.cumsum([1, *(q.shape[1] for _, q in layers)])
+        return [
+            CandidateTree(t.tokens[:m], t.parents[:m], t.logprobs[:m]) if m < len(t) else t
+            for t, m in zip(trees, sizes[searched], strict=True)
+        ]
 
     @property
     def draft_ms_total(self) -> float:
@@ -144,3 +160,20 @@ class SimDrafter:
         # Rows of C-contiguous arrays are contiguous with the right dtypes already: wrap
         # them directly (valid by construction; the tests validate).
         return [CandidateTree(tokens[i], parents[i], logq[i]) for i in range(n)]
+
+
+def _searched_layers(layers: list[tuple[np.ndarray, np.ndarray]], stop_prob: float) -> np.ndarray:
+    """int64 [n]: how many layers each request searches when its search ends before a
+    step in which no node of its last layer has path probability >= stop_prob."""
+    n = layers[0][1].shape[0]
+    searched = np.full(n, len(layers), dtype=np.int64)
+    if stop_prob <= 0:
+        return searched
+    searched[:] = 1
+    alive = np.ones(n, dtype=bool)
+    path = np.log(layers[0][1])
+    for k, (par, q) in enumerate(layers[1:], start=1):
+        alive &= path.max(axis=1) >= np.log(stop_prob)
+        searched[alive] = k + 1
+        path = np.take_along_axis(path, par, axis=1) + np.log(q)
+    return searched

@@ -210,7 +210,7 @@ def selection_from_pb(msg: common_pb2.Selection) -> Selection:
 
 
 def speculate_request_to_pb(
-    updates: Sequence[DraftUpdate], depth: int, width: int
+    updates: Sequence[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
 ) -> drafter_pb2.SpeculateRequest:
     return drafter_pb2.SpeculateRequest(
         updates=[
@@ -221,14 +221,15 @@ def speculate_request_to_pb(
         ],
         depth=depth,
         width=width,
+        stop_prob=stop_prob,
     )
 
 
 def speculate_request_from_pb(
     msg: drafter_pb2.SpeculateRequest,
-) -> tuple[list[DraftUpdate], int, int]:
+) -> tuple[list[DraftUpdate], int, int, float]:
     """Token arrays are views over the message's buffers; the drafter validates the
-    rest (ids, lengths, token range, depth and width)."""
+    rest (ids, lengths, token range, depth, width and stop_prob)."""
     from adaserve.speculate import DraftUpdate  # torch: only drafter processes pay for it
 
     updates = []
@@ -237,4 +238,4 @@ def speculate_request_from_pb(
             raise WireError(f"updates[{k}].id: empty request id")
         tokens = unpacked(u.new_tokens, I32, f"updates[{k}].new_tokens")
         updates.append(DraftUpdate(u.id, tokens, u.total_len))
-    return updates, msg.depth, msg.width
+    return updates, msg.depth, msg.width, msg.stop_prob

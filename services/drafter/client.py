@@ -30,9 +30,9 @@ class GrpcDrafter:
         self.last_timing: common_pb2.ServerTiming | None = None
 
     def speculate(
-        self, updates: Sequence[DraftUpdate], depth: int, width: int
+        self, updates: Sequence[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
     ) -> list[CandidateTree]:
-        msg = speculate_request_to_pb(updates, depth, width)
+        msg = speculate_request_to_pb(updates, depth, width, stop_prob)
         reply = call("drafter", self._stub.Speculate, msg, self.timeout_s)
         self.last_timing = reply.timing
         if reply.lost_ids:

@@ -49,12 +49,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self, request: drafter_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.SpeculateResponse:
         t0 = time.perf_counter_ns()
-        updates, depth, width = speculate_request_from_pb(request)
+        updates, depth, width, stop_prob = speculate_request_from_pb(request)
         t1 = time.perf_counter_ns()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            trees = await self._run(self._speculate, updates, depth, width, deadline)
+            trees = await self._run(self._speculate, updates, depth, width, stop_prob, deadline)
         except DrafterStateLost as lost:
             t2 = time.perf_counter_ns()
             return drafter_pb2.SpeculateResponse(
@@ -66,13 +66,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return reply
 
     def _speculate(
-        self, updates: list[DraftUpdate], depth: int, width: int, deadline: float | None
+        self,
+        updates: list[DraftUpdate],
+        depth: int,
+        width: int,
+        stop_prob: float,
+        deadline: float | None,
     ) -> list[CandidateTree]:
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlinePassed("the caller's deadline passed while the call was queued")
         if self._fault_delay_s:
             time.sleep(self._fault_delay_s)  # fault injection (services/common/faults.py)
-        return self.drafter.speculate(updates, depth, width)
+        return self.drafter.speculate(updates, depth, width, stop_prob)
 
     async def Release(
         self, request: drafter_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -18,14 +18,16 @@ class DraftUpdate(_message.Message):
     def __init__(self, id: _Optional[str] = ..., new_tokens: _Optional[bytes] = ..., total_len: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("updates", "depth", "width")
+    __slots__ = ("updates", "depth", "width", "stop_prob")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
+    STOP_PROB_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[DraftUpdate]
     depth: int
     width: int
-    def __init__(self, updates: _Optional[_Iterable[_Union[DraftUpdate, _Mapping]]] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+    stop_prob: float
+    def __init__(self, updates: _Optional[_Iterable[_Union[DraftUpdate, _Mapping]]] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., stop_prob: _Optional[float] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
     __slots__ = ("trees", "lost_ids", "timing")
