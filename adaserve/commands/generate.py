@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             "fixed_width": args.width or 1,
             "d_max": max(args.depth or 4, 1),
             "w_max": max(args.width or 1, 1),
+            # an explicit depth is that depth: a config's confidence stop would cut it
+            "draft_stop_prob": None,
         }
     try:
         settings = load_settings(args.config, **overrides)
