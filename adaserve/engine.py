@@ -347,7 +347,12 @@ class Engine:
         if self.drafter is None:
             return [], 0, 1
         budget, adaptive = self.settings.scheduler.budget, self._adaptive()
-        depth, width = plan_depth_width(len(batch), budget, adaptive)
+        # Plan for the batch the next iteration runs: requests that arrived during this
+        # step join it then. Otherwise the first request of a burst drafts deep alone
+        # (and the drafter prefills its prompt) while the rest wait to be admitted.
+        arriving = self._inbox.qsize()
+        n = min(len(batch) + arriving, self.settings.engine.max_running)
+        depth, width = plan_depth_width(n, budget, adaptive)
         if depth > 0:
             return batch, depth, width
         # Drafting for the whole batch does not pay, but SLO comes before throughput.

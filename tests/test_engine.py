@@ -211,6 +211,31 @@ def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(targ
 
 
 
+def test_the_plan_counts_requests_that_arrive_during_the_step(target_dir):
+    """A request that arrives while the step admits and prefills joins the next
+    iteration, so this one is planned for the grown batch: alone, the first request of
+    a burst is drafted for; with an arrival queued behind it, it is not (CAPPED drafts
+    for one request, none for two)."""
+    for arrival in (False, True):
+        engine = make_engine(target_dir, target_dir, scheduler={"adaptive": CAPPED})
+        calls = record_speculate(engine)
+        streams = [engine.submit(req(0, PROMPTS[0], 6, 1e6))]
+        admit = engine._admit
+
+        def admit_then_arrive(admit=admit, engine=engine, streams=streams, arrival=arrival):
+            prefill_s = admit()
+            if arrival and len(streams) == 1:
+                streams.append(engine.submit(req(1, PROMPTS[1], 6, 1e6)))
+            return prefill_s
+
+        engine._admit = admit_then_arrive
+        engine.step()
+        assert calls == ([] if arrival else [(["r0"], calls[0][1])])
+        res = run_to_completion(engine, streams)
+        for i in range(len(streams)):
+            assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], 6)
+
+
 # With draft steps of 2 token-units: depth 0 at alpha 0.05, 1 at 0.3, 4 at 0.95.
 LEARNING = {"d_min": 0, "d_max": 4, "w_max": 1, "acceptance": 0.3, "draft_cost_tokens": 2.0}
 
