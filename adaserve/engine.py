@@ -349,7 +349,8 @@ class Engine:
         budget, adaptive = self.settings.scheduler.budget, self._adaptive()
         # Plan for the batch the next iteration runs: requests that arrived during this
         # step join it then. Otherwise the first request of a burst drafts deep alone
-        # (and the drafter prefills its prompt) while the rest wait to be admitted.
+        # (and the drafter prefills its prompt) while the rest wait to be admitted. An
+        # abort queued there counts too: an overestimate for one iteration at most.
         arriving = self._inbox.qsize()
         n = min(len(batch) + arriving, self.settings.engine.max_running)
         depth, width = plan_depth_width(n, budget, adaptive)

@@ -100,7 +100,8 @@ class BeamDrafter:
     ) -> list[CandidateTree]:
         if depth < 0 or width < 1:
             raise ValueError(f"speculate: need depth >= 0 and width >= 1, got {depth}, {width}")
-        check_stop_prob(stop_prob)
+        if not (0.0 <= stop_prob < 1.0):  # NaN fails too
+            raise ValueError(f"speculate: stop_prob must be in [0, 1), got {stop_prob}")
         ids = [u.id for u in updates]
         if len(set(ids)) != len(ids):
             raise ValueError("speculate: a request appears twice in one call")
@@ -222,14 +223,13 @@ class BeamDrafter:
         out_ids, out_par, out_cond = [draft_ids], [beam_parent], [cond]
         base = np.array([chains[u.id].shape[0] for u in active], dtype=np.int64)  # root + 1
         searched = np.ones(n, dtype=np.int64)
-        log_stop = math.log(stop_prob) if stop_prob > 0 else -math.inf
-        alive = np.arange(n)
+        alive = np.arange(n)  # requests still searching
         for j in range(1, depth):
             if stop_prob > 0:
                 # A request goes on while one of its beams is likely enough to be
                 # accepted; the others keep the layers they have.
-                keep = (path[torch.as_tensor(alive)].max(dim=-1).values >= log_stop).cpu().numpy()
-                alive = alive[keep]
+                likely = (path.max(dim=-1).values >= math.log(stop_prob)).cpu().numpy()
+                alive = alive[likely[alive]]
                 if alive.shape[0] == 0:
                     break
             searched[alive] = j + 1
@@ -270,11 +270,6 @@ class BeamDrafter:
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self._d2t is None else self._d2t[draft_ids]
-
-
-def check_stop_prob(stop_prob: float) -> None:
-    if not (0.0 <= stop_prob < 1.0):  # NaN fails too
-        raise ValueError(f"speculate: stop_prob must be in [0, 1), got {stop_prob}")
 
 
 def _top_children(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

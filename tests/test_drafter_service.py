@@ -183,6 +183,20 @@ BAD = {
         drafter_pb2.SpeculateRequest(updates=[raw_update()], depth=2, width=VOCAB + 1),
         "width",
     ),
+    "stop_prob of one": (
+        drafter_pb2.SpeculateRequest(updates=[raw_update()], depth=3, width=2, stop_prob=1.0),
+        "stop_prob",
+    ),
+    "negative stop_prob": (
+        drafter_pb2.SpeculateRequest(updates=[raw_update()], depth=3, width=2, stop_prob=-0.1),
+        "stop_prob",
+    ),
+    "NaN stop_prob": (
+        drafter_pb2.SpeculateRequest(
+            updates=[raw_update()], depth=3, width=2, stop_prob=float("nan")
+        ),
+        "stop_prob",
+    ),
 }
 
 
@@ -256,9 +270,8 @@ def test_cli_serves_and_stops_on_sigterm(tiny_llama_dir: Path) -> None:
 
 
 def test_stop_prob_crosses_the_wire(served, tiny_llama_dir: Path) -> None:
-    """The service cuts trees as the in-process drafter does, and refuses a stop_prob
-    outside [0, 1) with INVALID_ARGUMENT, leaving no state behind."""
-    server, client = served
+    """The service cuts trees as the in-process drafter does (bad values: BAD above)."""
+    _, client = served
     local = new_drafter(tiny_llama_dir)
     rng = np.random.default_rng(1)
     history = {f"s{i}": list(rng.integers(0, VOCAB, 6 + 2 * i)) for i in range(3)}
@@ -266,19 +279,3 @@ def test_stop_prob_crosses_the_wire(served, tiny_llama_dir: Path) -> None:
     got = client.speculate(updates, 5, 2, 1e-3)
     assert_same_trees(got, local.speculate(updates, 5, 2, 1e-3))
     assert min(len(t) for t in got) < 1 + 5 * 2  # cut short
-    with insecure_channel(server.address) as channel:
-        stub = drafter_pb2_grpc.DrafterStub(channel)
-        before = stub.Stats(drafter_pb2.StatsRequest(), timeout=5).num_sequences
-        msg = drafter_pb2.SpeculateRequest(
-            updates=[
-                drafter_pb2.DraftUpdate(id="bad", new_tokens=packed([1, 2], I32), total_len=2)
-            ],
-            depth=3,
-            width=2,
-            stop_prob=1.5,
-        )
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Speculate(msg, timeout=30)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "stop_prob" in info.value.details()
-        assert stub.Stats(drafter_pb2.StatsRequest(), timeout=5).num_sequences == before

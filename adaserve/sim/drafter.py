@@ -74,14 +74,11 @@ class SimDrafter:
         )
         self.clock.advance_ms(ms)
         self.draft_log.append((start, ms))
-        trees = self._trees(updates, layers)
-        if stop_prob <= 0:
-            return trees
         # Layers are stored in order, so a shallower tree is a prefix of the full one.
         sizes = np.cumsum([1, *(q.shape[1] for _, q in layers)])
         return [
             CandidateTree(t.tokens[:m], t.parents[:m], t.logprobs[:m]) if m < len(t) else t
-            for t, m in zip(trees, sizes[searched], strict=True)
+            for t, m in zip(self._trees(updates, layers), sizes[searched], strict=True)
         ]
 
     @property
