@@ -43,7 +43,7 @@ proto-check:
 
 lint:
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check . || true
+	$(BIN)/ruff format --check .
 
 test: $(STAMP) proto-check lint
 	$(BIN)/python -m pytest -q tests

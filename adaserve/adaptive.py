@@ -183,4 +183,3 @@ class AcceptanceEstimate:
     def alpha(self) -> float:
         total = self.accepted + self.rejected
         return min(max(self.accepted / total, ALPHA_MIN), ALPHA_MAX) if total > 0 else ALPHA_MIN
-

@@ -20,7 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("adaserve.commands.generate", "speculative generation for one prompt"),
     "up": ("adaserve.commands.up", "start all services locally"),
     "distill": ("adaserve.commands.distill", "train a drafter for a target model"),
-    "measure-drafter": ("adaserve.commands.measure_drafter", "drafter acceptance and cost vs its target"),
+    "measure-drafter": (
+        "adaserve.commands.measure_drafter",
+        "drafter acceptance and cost vs its target",
+    ),
     "profile": ("adaserve.commands.profile", "measure a hardware profile"),
     "simulate": ("adaserve.commands.simulate", "trace-driven simulation"),
     "bench": ("adaserve.commands.bench", "benchmarks against a running server"),

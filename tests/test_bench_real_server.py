@@ -77,7 +77,9 @@ def test_bench_against_gateway_and_verifier(tmp_path: Path) -> None:
             for r in records:
                 assert r["attained"] == (r["tpot_ms"] <= r["tpot_slo_ms"]), r
             fast = [r for r in records if r["slo_class"] == "fast"]
-            assert s["per_class"]["fast"]["slo_attainment"] == sum(r["attained"] for r in fast) / len(fast)
+            assert s["per_class"]["fast"]["slo_attainment"] == sum(
+                r["attained"] for r in fast
+            ) / len(fast)
             assert s["per_class"]["slow"]["slo_attainment"] == 1.0  # a minute per token is easy
         finally:
             gateway.stop()

@@ -28,7 +28,9 @@ def exported(tiny_llama_dir: Path, tmp_path: Path):
         for p in student.layers.parameters():  # differ from the teacher's layer 0
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     d2t = torch.tensor([255, 3, 7, 100, 42, 0], dtype=torch.int64)
-    export_drafter(trainable_state(student), d2t, tiny_llama_dir, str(tiny_llama_dir), tmp_path / "d")
+    export_drafter(
+        trainable_state(student), d2t, tiny_llama_dir, str(tiny_llama_dir), tmp_path / "d"
+    )
     return teacher, student, d2t, tmp_path / "d"
 
 
@@ -81,22 +83,38 @@ def test_int8_rowwise(tiny_llama_dir: Path, exported, tmp_path: Path) -> None:
     back = draft_assets.dequantize(q)
     assert set(back) == {"x.weight", "n.weight"}
     assert (back["x.weight"] - w).abs().max() <= w.abs().max() / 127
-    export_drafter(trainable_state(student), d2t, tiny_llama_dir, str(tiny_llama_dir), tmp_path / "q",
-                   weight_format="int8_rowwise")
-    assert (tmp_path / "q" / "model.safetensors").stat().st_size < (out / "model.safetensors").stat().st_size
+    export_drafter(
+        trainable_state(student),
+        d2t,
+        tiny_llama_dir,
+        str(tiny_llama_dir),
+        tmp_path / "q",
+        weight_format="int8_rowwise",
+    )
+    assert (tmp_path / "q" / "model.safetensors").stat().st_size < (
+        out / "model.safetensors"
+    ).stat().st_size
     a, head, _ = load_drafter(out)
     b, _, _ = load_drafter(tmp_path / "q")
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
-        torch.testing.assert_close(b.logits(b(ids), head), a.logits(a(ids), head), atol=0.05, rtol=0.05)
+        torch.testing.assert_close(
+            b.logits(b(ids), head), a.logits(a(ids), head), atol=0.05, rtol=0.05
+        )
 
 
 def test_wrong_target_and_bad_files_are_clear_errors(exported, tmp_path: Path) -> None:
     from tests.conftest import make_tiny_model
 
     _, _, _, out = exported
-    other = make_tiny_model(tmp_path / "wide", "llama", hidden_size=32, intermediate_size=64,
-                            num_attention_heads=4, num_key_value_heads=2)
+    other = make_tiny_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     cfg = json.loads((out / "config.json").read_text())
     state = load_file(str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="wrong target"):
@@ -127,10 +145,15 @@ def test_shipped_drafter(embedded_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ASSET))
-    text = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     with single_thread():
         conts = generate_all(teacher, [prompt], 24, [tok.eos_token_id], 1)
-        acc = measure.summarize(measure.draft_matches(student, head, d2t, Sequences.build([prompt], conts)), 4)
+        acc = measure.summarize(
+            measure.draft_matches(student, head, d2t, Sequences.build([prompt], conts)), 4
+        )
     assert acc.top1_agreement > 0.3 and np.isfinite(acc.mean_emitted)

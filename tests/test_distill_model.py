@@ -39,8 +39,13 @@ def test_greedy_generation_matches_transformers(pair, static: bool) -> None:
     with single_thread():
         outs = generate_batch(me, prompts, max_new_tokens=6, eos_ids=[255], static=static)
         for p, o in zip(prompts, outs, strict=True):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=255,
-                              pad_token_id=0)[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=255,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
             assert o.tokens == ref[: len(o.tokens)]
             assert len(o.tokens) == 6 or o.tokens[-1] == 255
 
@@ -89,6 +94,8 @@ def test_student_init_copies_teacher_layers(tiny_llama_dir: Path) -> None:
     student = init_student(teacher, 1)
     assert student.embed_tokens is teacher.embed_tokens
     assert not student.embed_tokens.weight.requires_grad
-    torch.testing.assert_close(student.layers[0].mlp.up_proj.weight, teacher.layers[0].mlp.up_proj.weight)
+    torch.testing.assert_close(
+        student.layers[0].mlp.up_proj.weight, teacher.layers[0].mlp.up_proj.weight
+    )
     assert all(p.requires_grad for p in student.layers.parameters())
     assert not any(k.startswith("embed_tokens") for k in trainable_state(student))

@@ -11,7 +11,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 spec = importlib.util.spec_from_file_location(
-    "distill_pack", Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "distill_pack.py")
+    "distill_pack",
+    Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "distill_pack.py",
+)
 distill_pack = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(distill_pack)
 

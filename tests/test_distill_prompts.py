@@ -16,8 +16,12 @@ def _rows(name: str) -> list[dict]:
 
 
 def test_topic_lists_are_disjoint() -> None:
-    for train, held in ((T.TRAIN_TOPICS, T.HELDOUT_TOPICS), (T.TRAIN_TASKS, T.HELDOUT_TASKS),
-                        (T.TRAIN_CONCEPTS, T.HELDOUT_CONCEPTS), (T.TRAIN_ACTIVITIES, T.HELDOUT_ACTIVITIES)):
+    for train, held in (
+        (T.TRAIN_TOPICS, T.HELDOUT_TOPICS),
+        (T.TRAIN_TASKS, T.HELDOUT_TASKS),
+        (T.TRAIN_CONCEPTS, T.HELDOUT_CONCEPTS),
+        (T.TRAIN_ACTIVITIES, T.HELDOUT_ACTIVITIES),
+    ):
         assert not {x.lower() for x in train} & {x.lower() for x in held}
 
 
@@ -30,8 +34,16 @@ def test_heldout_prompts_never_appear_in_training() -> None:
 
 
 def test_committed_files_are_reproducible() -> None:
-    train = prompt_set.build(T.TRAIN_TOPICS, T.TRAIN_TASKS, T.TRAIN_CONCEPTS, T.TRAIN_ACTIVITIES, [],
-                             random.Random(1), n_math=600, per_topic=10)
+    train = prompt_set.build(
+        T.TRAIN_TOPICS,
+        T.TRAIN_TASKS,
+        T.TRAIN_CONCEPTS,
+        T.TRAIN_ACTIVITIES,
+        [],
+        random.Random(1),
+        n_math=600,
+        per_topic=10,
+    )
     assert train == _rows("train")
 
 

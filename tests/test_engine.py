@@ -45,14 +45,21 @@ _HF: dict = {}
 def make_engine(target_dir, drafter_dir=None, **overrides) -> Engine:
     settings = load_settings(
         None,
-        engine={"kv_blocks": 512, "kv_block_size": 16, "max_queue": 64, **overrides.pop("engine", {})},
+        engine={
+            "kv_blocks": 512,
+            "kv_block_size": 16,
+            "max_queue": 64,
+            **overrides.pop("engine", {}),
+        },
         scheduler={"budget": 12, **overrides.pop("scheduler", {})},
         **overrides,
     )
     runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=512)
     drafter = None
     if drafter_dir is not None:
-        drafter = BeamDrafter(load_runner(drafter_dir, device="cpu", dtype="float32", kv_blocks=512))
+        drafter = BeamDrafter(
+            load_runner(drafter_dir, device="cpu", dtype="float32", kv_blocks=512)
+        )
     return Engine(
         target=RunnerTarget(runner, eos_token_ids=()),
         drafter=drafter,
@@ -81,8 +88,10 @@ def run_to_completion(engine: Engine, streams, max_steps: int = 2000, on_step=No
 
 def req(i: int, prompt, max_tokens: int, slo: float, **sp) -> GenerationRequest:
     return GenerationRequest(
-        id=f"r{i}", prompt_token_ids=tuple(prompt),
-        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sp), tpot_slo_ms=slo,
+        id=f"r{i}",
+        prompt_token_ids=tuple(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sp),
+        tpot_slo_ms=slo,
     )
 
 
@@ -93,11 +102,18 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def random_drafter_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("engine-drafter"), "llama", seed=7,
-                           num_hidden_layers=1)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("engine-drafter"), "llama", seed=7, num_hidden_layers=1
+    )
 
 
-PROMPTS = [[1, 5, 9, 200, 31], [7], [3, 3, 3, 3, 3, 3, 3, 3, 40, 41], [100, 101, 102], [250, 17, 4, 9]]
+PROMPTS = [
+    [1, 5, 9, 200, 31],
+    [7],
+    [3, 3, 3, 3, 3, 3, 3, 3, 40, 41],
+    [100, 101, 102],
+    [250, 17, 4, 9],
+]
 
 
 @pytest.mark.parametrize("drafter", ["self", "random", "none"])
@@ -170,8 +186,12 @@ def test_drafter_failures_and_lost_state_keep_output_identical(target_dir):
 
 # Plain decoding for any batch of two or more, a depth of a few for one.
 CAPPED = {
-    "d_min": 0, "d_max": 3, "w_max": 1, "acceptance": 0.9,
-    "draft_cost_tokens": 0.1, "draft_cost_tokens_per_request": 8.0,
+    "d_min": 0,
+    "d_max": 3,
+    "w_max": 1,
+    "acceptance": 0.9,
+    "draft_cost_tokens": 0.1,
+    "draft_cost_tokens_per_request": 8.0,
 }
 
 
@@ -207,8 +227,6 @@ def test_plans_without_speculation_stay_lossless_and_the_drafter_catches_up(targ
     sizes = [len(ids) for ids, _ in calls]
     assert sizes and set(sizes) == {1}  # drafted only once the batch was down to one
     assert engine.stats().iterations < 30  # and the last request then sped up
-
-
 
 
 def test_the_plan_counts_requests_that_arrive_during_the_step(target_dir):
@@ -345,8 +363,13 @@ def test_abort_frees_target_and_drafter_state(target_dir):
 def test_deadline_expires_request(target_dir):
     engine = make_engine(target_dir, None)
     s = engine.submit(
-        GenerationRequest(id="t", prompt_token_ids=(1, 2), tpot_slo_ms=50.0, timeout_s=0.05,
-                          sampling=SamplingParams(max_tokens=400, ignore_eos=True))
+        GenerationRequest(
+            id="t",
+            prompt_token_ids=(1, 2),
+            tpot_slo_ms=50.0,
+            timeout_s=0.05,
+            sampling=SamplingParams(max_tokens=400, ignore_eos=True),
+        )
     )
     engine.step()
     time.sleep(0.06)

@@ -27,10 +27,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     p.add_argument("--rps", type=float, default=0.5, help="mean request rate (Poisson)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    p.add_argument("--mix", default="coding=0.34,chat=0.33,summarize=0.33",
-                   help="class weights, e.g. coding=0.6,chat=0.2,summarize=0.2")
-    p.add_argument("--max-tokens-scale", type=float, default=1.0,
-                   help="multiply each class's max_tokens (96/64/48)")
+    p.add_argument(
+        "--mix",
+        default="coding=0.34,chat=0.33,summarize=0.33",
+        help="class weights, e.g. coding=0.6,chat=0.2,summarize=0.2",
+    )
+    p.add_argument(
+        "--max-tokens-scale",
+        type=float,
+        default=1.0,
+        help="multiply each class's max_tokens (96/64/48)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -94,16 +101,22 @@ async def _drive(args, mix: dict[str, float]) -> tuple[list[RequestRecord], dict
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     chunks: dict[str, int] = {}
     status = _Status(len(arrivals))
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600.0,
-                                 limits=httpx.Limits(max_connections=None)) as client:
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, timeout=600.0, limits=httpx.Limits(max_connections=None)
+    ) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         t0 = time.monotonic()
 
         async def one(i: int, at: float, cls: str, prompt: str) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            rec = RequestRecord(id=f"demo-{i}", slo_class=cls, tpot_slo_ms=0.0,
-                                arrival_s=time.monotonic() - t0, prompt_tokens=0,
-                                max_tokens=round(MAX_TOKENS[cls] * args.max_tokens_scale))
+            rec = RequestRecord(
+                id=f"demo-{i}",
+                slo_class=cls,
+                tpot_slo_ms=0.0,
+                arrival_s=time.monotonic() - t0,
+                prompt_tokens=0,
+                max_tokens=round(MAX_TOKENS[cls] * args.max_tokens_scale),
+            )
             status.sent += 1
             await _stream_one(client, model, prompt, rec, chunks, t0)
             status.finish(rec)
@@ -116,9 +129,13 @@ async def _drive(args, mix: dict[str, float]) -> tuple[list[RequestRecord], dict
 
 async def _stream_one(client, model, prompt, rec: RequestRecord, chunks, t0) -> None:
     body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": rec.max_tokens, "temperature": 0.0, "stream": True,
-        "stream_options": {"include_usage": True}, "slo_class": rec.slo_class,
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": rec.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "slo_class": rec.slo_class,
         "request_id": rec.id,
     }
     n_chunks = 0
@@ -163,8 +180,10 @@ class _Status:
     def finish(self, rec: RequestRecord) -> None:
         self.done += 1
         self.ok += rec.attained
-        line = (f"requests {self.done}/{self.total} done, {self.sent - self.done} in flight, "
-                f"SLO attained {self.ok}/{self.done}")
+        line = (
+            f"requests {self.done}/{self.total} done, {self.sent - self.done} in flight, "
+            f"SLO attained {self.ok}/{self.done}"
+        )
         if self.tty:
             print(f"\r{line}", end="", file=sys.stderr, flush=True)
         elif self.done % 10 == 0 or self.done == self.total:
@@ -179,17 +198,31 @@ def format_table(summary: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.0f}"
 
-    rows = [("class", "SLO ms", "reqs", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "attained",
-             "goodput tok/s", "tokens/step")]
+    rows = [
+        (
+            "class",
+            "SLO ms",
+            "reqs",
+            "TTFT p50/p90 ms",
+            "TPOT p50/p90 ms",
+            "attained",
+            "goodput tok/s",
+            "tokens/step",
+        )
+    ]
     for name, g in summary["per_class"].items():
-        rows.append((
-            name, ms(g.get("tpot_slo_ms")), str(g["requests"]),
-            f"{ms(g['ttft_p50_ms'])}/{ms(g['ttft_p90_ms'])}",
-            f"{ms(g['tpot_p50_ms'])}/{ms(g['tpot_p90_ms'])}",
-            "-" if g["slo_attainment"] is None else f"{100 * g['slo_attainment']:.0f}%",
-            f"{g['goodput']:.1f}",
-            "-" if g.get("mean_accepted") is None else f"{g['mean_accepted']:.2f}",
-        ))
+        rows.append(
+            (
+                name,
+                ms(g.get("tpot_slo_ms")),
+                str(g["requests"]),
+                f"{ms(g['ttft_p50_ms'])}/{ms(g['ttft_p90_ms'])}",
+                f"{ms(g['tpot_p50_ms'])}/{ms(g['tpot_p90_ms'])}",
+                "-" if g["slo_attainment"] is None else f"{100 * g['slo_attainment']:.0f}%",
+                f"{g['goodput']:.1f}",
+                "-" if g.get("mean_accepted") is None else f"{g['mean_accepted']:.2f}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -208,11 +241,18 @@ def _plot(records: list[RequestRecord], path: Path) -> Path:
         rs = [r for r in records if r.slo_class == cls and r.tpot_ms is not None]
         if not rs:
             continue
-        ax.scatter([r.arrival_s for r in rs], [r.tpot_ms for r in rs], s=14, color=color,
-                   label=f"{cls} TPOT")
+        ax.scatter(
+            [r.arrival_s for r in rs],
+            [r.tpot_ms for r in rs],
+            s=14,
+            color=color,
+            label=f"{cls} TPOT",
+        )
         slo = rs[0].tpot_slo_ms
         if slo:
-            ax.axhline(slo, color=color, linestyle="--", linewidth=1, label=f"{cls} SLO {slo:.0f} ms")
+            ax.axhline(
+                slo, color=color, linestyle="--", linewidth=1, label=f"{cls} SLO {slo:.0f} ms"
+            )
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("TPOT (ms per token)")
     ax.set_title("adaserve demo: per-request TPOT against each class's SLO")

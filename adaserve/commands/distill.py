@@ -14,14 +14,27 @@ PROMPTS = Path(__file__).resolve().parent.parent / "distill" / "prompts"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model: HF directory, GGUF file, or 'embedded'")
+    p.add_argument(
+        "--target", required=True, help="target model: HF directory, GGUF file, or 'embedded'"
+    )
     p.add_argument("--out", required=True, type=Path, help="output drafter directory")
-    p.add_argument("--target-name", help="target recorded in the drafter's config (default: --target)")
+    p.add_argument(
+        "--target-name", help="target recorded in the drafter's config (default: --target)"
+    )
     p.add_argument("--work-dir", type=Path, help="caches and checkpoints (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
-    p.add_argument("--layers", default="2", help="decoder layers; a comma list trains several side by side")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (LM head rows)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1000 without --time-budget-s)")
+    p.add_argument(
+        "--layers", default="2", help="decoder layers; a comma list trains several side by side"
+    )
+    p.add_argument(
+        "--draft-vocab", type=int, default=8192, help="draft vocabulary size (LM head rows)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps (default 1000 without --time-budget-s)",
+    )
     p.add_argument("--time-budget-s", type=float, default=None, help="training time limit")
     p.add_argument("--batch-size", type=int, default=8192, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -37,10 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--gen-time-budget-s", type=float, default=None)
     g.add_argument("--max-prompts", type=int, default=None, help="use only this many train prompts")
-    g.add_argument("--max-heldout", type=int, default=None, help="measure on only this many held-out prompts")
+    g.add_argument(
+        "--max-heldout", type=int, default=None, help="measure on only this many held-out prompts"
+    )
     g.add_argument("--heldout-max-new-tokens", type=int, default=192)
-    g.add_argument("--gen-workers", type=int, default=1, help="CPU: single-threaded generation processes")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy CPU)")
+    g.add_argument(
+        "--gen-workers", type=int, default=1, help="CPU: single-threaded generation processes"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy CPU)"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -55,25 +74,46 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         layers = tuple(int(x) for x in str(args.layers).split(","))
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = (
+            args.device
+            if args.device != "auto"
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         work = args.work_dir or args.out.with_name(args.out.name + ".work")
         steps = args.steps if args.steps or args.time_budget_s else 1000
         job = DistillJob(
             target_dir=resolve_model(args.target, "target"),
-            target_spec=args.target_name or (args.target if args.target == "embedded"
-                                             else str(Path(args.target).resolve())),
-            out=args.out, work=work, layers=layers, draft_vocab=args.draft_vocab,
-            train=TrainConfig(steps=steps, time_budget_s=args.time_budget_s, batch_tokens=args.batch_size,
-                              lr=args.lr, max_len=args.max_len, seed=args.seed),
-            gen=GenSettings(max_new_tokens=args.max_new_tokens, batch=args.gen_batch,
-                            sample_passes=args.sample_passes, temperature=args.temperature,
-                            time_budget_s=args.gen_time_budget_s, max_prompts=args.max_prompts,
-                            max_heldout=args.max_heldout,
-                            writer_max_new_tokens=min(160, args.max_new_tokens),
-                            workers=args.gen_workers if device == "cpu" else 1,
-                            heldout_max_new_tokens=args.heldout_max_new_tokens),
-            device=device, train_prompts=args.train_prompts, heldout_prompts=args.heldout_prompts,
-            resume=args.resume, weight_format=args.weight_format,
+            target_spec=args.target_name
+            or (args.target if args.target == "embedded" else str(Path(args.target).resolve())),
+            out=args.out,
+            work=work,
+            layers=layers,
+            draft_vocab=args.draft_vocab,
+            train=TrainConfig(
+                steps=steps,
+                time_budget_s=args.time_budget_s,
+                batch_tokens=args.batch_size,
+                lr=args.lr,
+                max_len=args.max_len,
+                seed=args.seed,
+            ),
+            gen=GenSettings(
+                max_new_tokens=args.max_new_tokens,
+                batch=args.gen_batch,
+                sample_passes=args.sample_passes,
+                temperature=args.temperature,
+                time_budget_s=args.gen_time_budget_s,
+                max_prompts=args.max_prompts,
+                max_heldout=args.max_heldout,
+                writer_max_new_tokens=min(160, args.max_new_tokens),
+                workers=args.gen_workers if device == "cpu" else 1,
+                heldout_max_new_tokens=args.heldout_max_new_tokens,
+            ),
+            device=device,
+            train_prompts=args.train_prompts,
+            heldout_prompts=args.heldout_prompts,
+            resume=args.resume,
+            weight_format=args.weight_format,
         )
         report = run(job)
     except (ValueError, FileNotFoundError) as exc:

@@ -31,10 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="prompts per target generation batch")
     p.add_argument("--workers", type=int, default=1, help="single-threaded generation processes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--cost-steps", type=int, default=32, help="decode steps timed per model (0: skip)")
-    p.add_argument("--drafter-quantization", choices=["none", "int8"], default="none",
-                   help="time the drafter as the runtime runs it with model.drafter_quantization "
-                        "(the acceptance is always the fp32 drafter's)")
+    p.add_argument(
+        "--cost-steps", type=int, default=32, help="decode steps timed per model (0: skip)"
+    )
+    p.add_argument(
+        "--drafter-quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="time the drafter as the runtime runs it with model.drafter_quantization "
+        "(the acceptance is always the fp32 drafter's)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -63,13 +69,22 @@ def run(args: argparse.Namespace) -> int:
         drafter_dir = resolve_model(args.drafter, "drafter")
         rows = _pick(read_prompt_file(args.prompts), args.limit)
         tok = load_tokenizer(args.target)
-        prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
-                   for r in rows]
+        prompts = [
+            tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
+            for r in rows
+        ]
         prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         teacher = load_teacher(target_dir)
-        conts = generate_all(teacher, prompt_ids, args.max_new_tokens, [int(tok.eos_token_id)],
-                             args.batch, workers=args.workers, target_dir=target_dir,
-                             desc="target greedy")
+        conts = generate_all(
+            teacher,
+            prompt_ids,
+            args.max_new_tokens,
+            [int(tok.eos_token_id)],
+            args.batch,
+            workers=args.workers,
+            target_dir=target_dir,
+            desc="target greedy",
+        )
         data = Sequences.build(prompt_ids, conts)
         student, head, d2t = load_drafter(drafter_dir, target_dir)
         matches = measure.draft_matches(student, head, d2t, data)
@@ -81,29 +96,47 @@ def run(args: argparse.Namespace) -> int:
     for r, m in zip(rows, matches, strict=True):
         by_cat[r.get("category", "all")].append(m)
     result = {
-        "target": str(target_dir), "drafter": str(drafter_dir), "prompts": str(args.prompts),
+        "target": str(target_dir),
+        "drafter": str(drafter_dir),
+        "prompts": str(args.prompts),
         **overall.as_dict(),
-        "by_category": {c: measure.summarize(ms, args.depth).as_dict() for c, ms in sorted(by_cat.items())},
+        "by_category": {
+            c: measure.summarize(ms, args.depth).as_dict() for c, ms in sorted(by_cat.items())
+        },
     }
     if args.cost_steps > 0:
         from adaserve.distill.cost import decode_ms_per_token
 
         t_ms = decode_ms_per_token(args.target, "target", args.cost_steps, threads=args.threads)
-        d_ms = decode_ms_per_token(args.drafter, "drafter", args.cost_steps, threads=args.threads,
-                                   quantization=args.drafter_quantization)
-        result.update(target_ms_per_token=round(t_ms, 3), drafter_ms_per_token=round(d_ms, 3),
-                      cost_ratio=round(t_ms / d_ms, 2),
-                      drafter_quantization=args.drafter_quantization)
+        d_ms = decode_ms_per_token(
+            args.drafter,
+            "drafter",
+            args.cost_steps,
+            threads=args.threads,
+            quantization=args.drafter_quantization,
+        )
+        result.update(
+            target_ms_per_token=round(t_ms, 3),
+            drafter_ms_per_token=round(d_ms, 3),
+            cost_ratio=round(t_ms / d_ms, 2),
+            drafter_quantization=args.drafter_quantization,
+        )
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"held-out prompts: {overall.sequences}, continuation tokens: {overall.tokens}")
     print(f"top-1 agreement with the target's greedy token: {overall.top1_agreement:.3f}")
-    print(f"mean tokens per verification step (depth-{args.depth} chain, bonus included): "
-          f"{overall.mean_emitted:.3f}")
+    print(
+        f"mean tokens per verification step (depth-{args.depth} chain, bonus included): "
+        f"{overall.mean_emitted:.3f}"
+    )
     for c, a in result["by_category"].items():
-        print(f"  {c:<10} top-1 {a['top1_agreement']:.3f}  mean emitted {a['mean_emitted']:.3f}  ({a['tokens']} tokens)")
+        print(
+            f"  {c:<10} top-1 {a['top1_agreement']:.3f}  mean emitted {a['mean_emitted']:.3f}  ({a['tokens']} tokens)"
+        )
     if "cost_ratio" in result:
-        print(f"decode ms/token: target {result['target_ms_per_token']:.2f}, drafter "
-              f"{result['drafter_ms_per_token']:.2f}: drafter {result['cost_ratio']:.1f}x cheaper")
+        print(
+            f"decode ms/token: target {result['target_ms_per_token']:.2f}, drafter "
+            f"{result['drafter_ms_per_token']:.2f}: drafter {result['cost_ratio']:.1f}x cheaper"
+        )
     return 0

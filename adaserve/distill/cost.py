@@ -9,14 +9,21 @@ import time
 import numpy as np
 
 
-def decode_ms_per_token(spec: str, role: str, steps: int = 32, prompt_len: int = 64,
-                        threads: int | None = None, quantization: str = "none") -> float:
+def decode_ms_per_token(
+    spec: str,
+    role: str,
+    steps: int = 32,
+    prompt_len: int = 64,
+    threads: int | None = None,
+    quantization: str = "none",
+) -> float:
     """Median wall time of one decode step after a `prompt_len`-token prefill."""
     from adaserve.model.loader import load_runner
     from adaserve.model.runner import SeqInput
 
-    runner = load_runner(spec, device="cpu", role=role, kv_memory_gb=0.25, threads=threads,
-                         quantization=quantization)
+    runner = load_runner(
+        spec, device="cpu", role=role, kv_memory_gb=0.25, threads=threads, quantization=quantization
+    )
     runner.add_sequence("cost")
     rng = np.random.default_rng(0)
     runner.forward([SeqInput.chain("cost", rng.integers(100, 1000, prompt_len))])

@@ -26,7 +26,9 @@ def read_prompt_file(path: Path) -> list[dict]:
                 continue
             row = json.loads(line)
             if "messages" not in row and not ("writer" in row and "template" in row):
-                raise ValueError(f"{path}:{n}: a prompt needs 'messages', or 'writer' and 'template'")
+                raise ValueError(
+                    f"{path}:{n}: a prompt needs 'messages', or 'writer' and 'template'"
+                )
             if "template" in row and "{text}" not in row["template"]:
                 raise ValueError(f"{path}:{n}: 'template' must contain {{text}}")
             rows.append(row)
@@ -56,10 +58,19 @@ def tokenize_prompts(tokenizer_dir: Path, train_file: Path, heldout_file: Path) 
         if "messages" in row:
             out["direct"].append(ids(render(row["messages"])))
         else:
-            pre, post = render([{"role": "user", "content": row["template"].replace("{text}", SENTINEL)}]).split(SENTINEL)
-            out["writer"].append({"writer": ids(render([{"role": "user", "content": row["writer"]}])),
-                                  "prefix": ids(pre), "suffix": ids(post)})
-    out["heldout"] = [ids(render(r["messages"])) for r in read_prompt_file(heldout_file) if "messages" in r]
+            pre, post = render(
+                [{"role": "user", "content": row["template"].replace("{text}", SENTINEL)}]
+            ).split(SENTINEL)
+            out["writer"].append(
+                {
+                    "writer": ids(render([{"role": "user", "content": row["writer"]}])),
+                    "prefix": ids(pre),
+                    "suffix": ids(post),
+                }
+            )
+    out["heldout"] = [
+        ids(render(r["messages"])) for r in read_prompt_file(heldout_file) if "messages" in r
+    ]
     eos = tok.eos_token_id
     out["eos"] = sorted({int(eos)} | set(getattr(tok, "additional_eos_ids", []) or []))
     return out
@@ -87,7 +98,9 @@ class Sequences:
 
     @property
     def cont_offsets(self) -> np.ndarray:  # int64 [n + 1]: each sequence's first top-k row
-        return np.concatenate([[0], np.cumsum(np.diff(self.offsets) - self.prompt_lens)]).astype(np.int64)
+        return np.concatenate([[0], np.cumsum(np.diff(self.offsets) - self.prompt_lens)]).astype(
+            np.int64
+        )
 
     @classmethod
     def build(cls, prompts: list[list[int]], conts: list) -> Sequences:
@@ -106,8 +119,13 @@ class Sequences:
 
     @classmethod
     def empty(cls, k: int = 1) -> Sequences:
-        return cls(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32),
-                   np.zeros((0, k), np.int32), np.zeros((0, k), np.float16))
+        return cls(
+            np.zeros(0, np.int32),
+            np.zeros(1, np.int64),
+            np.zeros(0, np.int32),
+            np.zeros((0, k), np.int32),
+            np.zeros((0, k), np.float16),
+        )
 
     @classmethod
     def concat(cls, parts: list[Sequences]) -> Sequences:
@@ -115,20 +133,31 @@ class Sequences:
         if not parts:
             return cls.empty()
         if len({p.topk_ids.shape[1] for p in parts}) > 1:
-            raise ValueError(f"generated data with different top-k widths: {[p.topk_ids.shape[1] for p in parts]}")
+            raise ValueError(
+                f"generated data with different top-k widths: {[p.topk_ids.shape[1] for p in parts]}"
+            )
         shifts = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
         return cls(
             tokens=np.concatenate([p.tokens for p in parts]),
-            offsets=np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts, strict=True)]),
+            offsets=np.concatenate(
+                [[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts, strict=True)]
+            ),
             prompt_lens=np.concatenate([p.prompt_lens for p in parts]),
             topk_ids=np.concatenate([p.topk_ids for p in parts]),
             topk_logp=np.concatenate([p.topk_logp for p in parts]),
         )
 
     def save(self, path: Path) -> None:
-        arrays = {"tokens": self.tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens,
-                  "topk_ids": self.topk_ids, "topk_logp": self.topk_logp}
-        save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}, str(path))
+        arrays = {
+            "tokens": self.tokens,
+            "offsets": self.offsets,
+            "prompt_lens": self.prompt_lens,
+            "topk_ids": self.topk_ids,
+            "topk_logp": self.topk_logp,
+        }
+        save_file(
+            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}, str(path)
+        )
 
     @classmethod
     def load(cls, path: Path) -> Sequences:

@@ -13,8 +13,15 @@ from safetensors.torch import load_file, save_file
 from adaserve.distill.llama import LlamaModel
 from adaserve.distill.weights import read_config
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 VOCAB_FILE = "draft_vocab.safetensors"
 
 
@@ -32,20 +39,44 @@ def quantize_int8_rowwise(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def drafter_config(target_cfg: dict, num_layers: int, draft_vocab: int, target_spec: str,
-                   weight_format: str) -> dict:
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
-            "rope_parameters", "rope_scaling", "max_position_embeddings", "bos_token_id",
-            "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias")
+def drafter_config(
+    target_cfg: dict, num_layers: int, draft_vocab: int, target_spec: str, weight_format: str
+) -> dict:
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_bias",
+        "mlp_bias",
+    )
     cfg = {k: target_cfg[k] for k in keep if k in target_cfg}
-    cfg.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "num_hidden_layers": num_layers, "tie_word_embeddings": True, "torch_dtype": "float16",
-        "adaserve_format_version": 1, "adaserve_embeddings_from": "target",
-        "adaserve_target": target_spec, "adaserve_draft_vocab": VOCAB_FILE,
-        "adaserve_draft_vocab_size": draft_vocab, "adaserve_weight_format": weight_format,
-    })
+    cfg.update(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": num_layers,
+            "tie_word_embeddings": True,
+            "torch_dtype": "float16",
+            "adaserve_format_version": 1,
+            "adaserve_embeddings_from": "target",
+            "adaserve_target": target_spec,
+            "adaserve_draft_vocab": VOCAB_FILE,
+            "adaserve_draft_vocab_size": draft_vocab,
+            "adaserve_weight_format": weight_format,
+        }
+    )
     return cfg
 
 
@@ -75,7 +106,9 @@ def export_drafter(
             shutil.copy(Path(target_dir) / name, out / name)
 
 
-def load_drafter(drafter_dir: Path, target: str | Path | None = None) -> tuple[LlamaModel, torch.Tensor, torch.Tensor]:
+def load_drafter(
+    drafter_dir: Path, target: str | Path | None = None
+) -> tuple[LlamaModel, torch.Tensor, torch.Tensor]:
     """(student, head [V_draft, hidden], d2t [V_draft]) from a drafter directory."""
     from adaserve.distill.llama import LlamaShape
     from adaserve.model import draft_assets  # the runtime's own hook: measure what ships

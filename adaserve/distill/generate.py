@@ -120,8 +120,15 @@ class _Step:
     `static` runs it at fixed shapes: the cache writes at the tensor `cache.slot` and
     attention spans the whole cache (unwritten slots masked), so it can be graphed."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, valid: torch.Tensor, pos: torch.Tensor,
-                 topk: int, static: bool) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        valid: torch.Tensor,
+        pos: torch.Tensor,
+        topk: int,
+        static: bool,
+    ) -> None:
         self.model, self.cache, self.valid, self.topk = model, cache, valid, topk
         self.pos = pos.clone()  # position of the last token written, per row
         self.tok = torch.zeros_like(pos)
@@ -148,7 +155,9 @@ class _Step:
         return self.forward(slot)
 
 
-def _graphed(step: _Step, first_slot: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
+def _graphed(
+    step: _Step, first_slot: int
+) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
     """`step` captured once as a CUDA graph; calls update its inputs in place and replay.
     The warm-up runs write into the first decode slot, which the first real step rewrites."""
     assert step.cache.slot is not None, "only a static step has fixed shapes"
@@ -214,7 +223,14 @@ def generate_all(
         for k, idx in enumerate(batches):
             if deadline is not None and time.monotonic() > deadline:
                 return
-            yield ([list(prompts[i]) for i in idx], max_new_tokens, list(eos_ids), temperature, top_p, seed + k)
+            yield (
+                [list(prompts[i]) for i in idx],
+                max_new_tokens,
+                list(eos_ids),
+                temperature,
+                top_p,
+                seed + k,
+            )
 
     def store(idx: list[int], outs: list[Continuation]) -> None:
         for i, o in zip(idx, outs, strict=True):

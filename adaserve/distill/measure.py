@@ -50,14 +50,22 @@ def summarize(matches: Iterable[np.ndarray], depth: int) -> Acceptance:
     steps = sum(chain_steps(m, depth) for m in matches)
     agree = sum(int(m.sum()) for m in matches)
     return Acceptance(
-        sequences=len(matches), tokens=tokens, top1_agreement=agree / max(tokens, 1),
-        mean_emitted=tokens / max(steps, 1), depth=depth, steps=steps,
+        sequences=len(matches),
+        tokens=tokens,
+        top1_agreement=agree / max(tokens, 1),
+        mean_emitted=tokens / max(steps, 1),
+        depth=depth,
+        steps=steps,
     )
 
 
 @torch.no_grad()
 def draft_matches(
-    student: LlamaModel, head: torch.Tensor, d2t: torch.Tensor, data: Sequences, batch: int = 16,
+    student: LlamaModel,
+    head: torch.Tensor,
+    d2t: torch.Tensor,
+    data: Sequences,
+    batch: int = 16,
 ) -> list[np.ndarray]:
     """Per sequence: bool [continuation length], whether the drafter's greedy token at
     each continuation position equals the target's."""

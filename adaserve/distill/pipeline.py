@@ -78,36 +78,77 @@ def stage_prompts(job: DistillJob) -> dict:
     path = job.work / "prompts.json"
     if not path.is_file():
         _say("tokenizing prompts")
-        path.write_text(json.dumps(tokenize_prompts(job.target_dir, job.train_prompts, job.heldout_prompts)))
+        path.write_text(
+            json.dumps(tokenize_prompts(job.target_dir, job.train_prompts, job.heldout_prompts))
+        )
     return json.loads(path.read_text())
 
 
-def _phase(job: DistillJob, name: str, teacher: LlamaModel, prompts: list[list[int]], eos: list[int],
-           max_new: int, deadline: float | None, temperature: float = 0.0, seed: int = 0) -> Sequences:
+def _phase(
+    job: DistillJob,
+    name: str,
+    teacher: LlamaModel,
+    prompts: list[list[int]],
+    eos: list[int],
+    max_new: int,
+    deadline: float | None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Sequences:
     path = job.work / f"gen_{name}.safetensors"
     if path.is_file():
         return Sequences.load(path)
     if deadline is not None and time.monotonic() > deadline:
         return Sequences.build([], [])
-    conts = generate_all(teacher, prompts, max_new, eos, job.gen.batch, temperature, job.gen.top_p,
-                         seed, deadline, desc=f"generate {name}", workers=job.gen.workers,
-                         target_dir=job.target_dir)
+    conts = generate_all(
+        teacher,
+        prompts,
+        max_new,
+        eos,
+        job.gen.batch,
+        temperature,
+        job.gen.top_p,
+        seed,
+        deadline,
+        desc=f"generate {name}",
+        workers=job.gen.workers,
+        target_dir=job.target_dir,
+    )
     seqs = Sequences.build(prompts, conts)
     seqs.save(path)
-    _say(f"{name}: {len(seqs)} sequences, {int(sum(len(seqs.continuation(i)) for i in range(len(seqs))))} new tokens")
+    _say(
+        f"{name}: {len(seqs)} sequences, {int(sum(len(seqs.continuation(i)) for i in range(len(seqs))))} new tokens"
+    )
     return seqs
 
 
-def stage_generate(job: DistillJob, teacher: LlamaModel, prompts: dict) -> tuple[Sequences, Sequences]:
+def stage_generate(
+    job: DistillJob, teacher: LlamaModel, prompts: dict
+) -> tuple[Sequences, Sequences]:
     g, eos = job.gen, prompts["eos"]
     deadline = time.monotonic() + g.time_budget_s if g.time_budget_s else None
-    heldout = _phase(job, "heldout", teacher, prompts["heldout"][: g.max_heldout], eos,
-                     g.heldout_max_new_tokens, None)
+    heldout = _phase(
+        job,
+        "heldout",
+        teacher,
+        prompts["heldout"][: g.max_heldout],
+        eos,
+        g.heldout_max_new_tokens,
+        None,
+    )
     direct, writers = prompts["direct"], prompts["writer"]
     if g.max_prompts is not None:
         n_w = min(len(writers), g.max_prompts * len(writers) // (len(direct) + len(writers)))
         direct, writers = direct[: g.max_prompts - n_w], writers[:n_w]
-    texts = _phase(job, "writer", teacher, [w["writer"] for w in writers], eos, g.writer_max_new_tokens, deadline)
+    texts = _phase(
+        job,
+        "writer",
+        teacher,
+        [w["writer"] for w in writers],
+        eos,
+        g.writer_max_new_tokens,
+        deadline,
+    )
     train_prompts = list(direct)
     for i in range(len(texts)):
         text = [t for t in texts.continuation(i).tolist() if t not in eos]
@@ -117,24 +158,44 @@ def stage_generate(job: DistillJob, teacher: LlamaModel, prompts: dict) -> tuple
     # writer texts are target continuations too: they train as well
     parts = [texts, _phase(job, "greedy", teacher, train_prompts, eos, g.max_new_tokens, deadline)]
     for k in range(g.sample_passes):
-        parts.append(_phase(job, f"sample{k}", teacher, train_prompts, eos, g.max_new_tokens, deadline,
-                            g.temperature, seed=1000 + k))
+        parts.append(
+            _phase(
+                job,
+                f"sample{k}",
+                teacher,
+                train_prompts,
+                eos,
+                g.max_new_tokens,
+                deadline,
+                g.temperature,
+                seed=1000 + k,
+            )
+        )
     parts += [Sequences.load(p) for p in sorted(job.work.glob("gen_extra*.safetensors"))]
     return Sequences.concat(parts), heldout
 
 
-def stage_vocab(job: DistillJob, train: Sequences, vocab: int, eos: list[int]) -> tuple[torch.Tensor, dict]:
+def stage_vocab(
+    job: DistillJob, train: Sequences, vocab: int, eos: list[int]
+) -> tuple[torch.Tensor, dict]:
     path = job.work / "draft_vocab.safetensors"
     counts = continuation_counts(train, vocab)
     if path.is_file():
         d2t = load_file(str(path))["d2t"]
     else:
-        d2t = torch.from_numpy(select_draft_vocab(expected_counts(train, vocab), job.draft_vocab, eos))
+        d2t = torch.from_numpy(
+            select_draft_vocab(expected_counts(train, vocab), job.draft_vocab, eos)
+        )
         save_file({"d2t": d2t}, str(path))
     if len(d2t) != job.draft_vocab:
-        raise ValueError(f"{path} has {len(d2t)} tokens, --draft-vocab is {job.draft_vocab}: use a new work dir")
-    info = {f"coverage_{n}": round(coverage(counts, select_draft_vocab(counts, n, eos)), 5)
-            for n in (4096, 8192, 12288, 16384, 32768) if n <= vocab}
+        raise ValueError(
+            f"{path} has {len(d2t)} tokens, --draft-vocab is {job.draft_vocab}: use a new work dir"
+        )
+    info = {
+        f"coverage_{n}": round(coverage(counts, select_draft_vocab(counts, n, eos)), 5)
+        for n in (4096, 8192, 12288, 16384, 32768)
+        if n <= vocab
+    }
     info["coverage"] = round(coverage(counts, d2t.numpy()), 5)
     return d2t, info
 
@@ -144,7 +205,9 @@ def _check_settings(job: DistillJob) -> None:
     now = {"layers": list(job.layers), "draft_vocab": job.draft_vocab}
     if (job.work / "ckpt.pt").is_file():
         if not job.resume:
-            raise ValueError(f"{job.work} holds a checkpoint: pass --resume to continue it, or use another --work-dir")
+            raise ValueError(
+                f"{job.work} holds a checkpoint: pass --resume to continue it, or use another --work-dir"
+            )
         before = json.loads(path.read_text()) if path.is_file() else now
         if before != now:
             raise ValueError(f"{job.work} was started with {before}, this run asks for {now}")
@@ -165,30 +228,52 @@ def run(job: DistillJob) -> dict:
     if len(train) == 0:
         raise ValueError("no training sequences were generated (time budget too small?)")
     d2t, vocab_info = stage_vocab(job, train, teacher.shape.vocab, prompts["eos"])
-    _say(f"{len(train)} train sequences; draft vocab {len(d2t)} covers {vocab_info['coverage']:.4f}")
+    _say(
+        f"{len(train)} train sequences; draft vocab {len(d2t)} covers {vocab_info['coverage']:.4f}"
+    )
     students = {f"L{n}": init_student(teacher, n) for n in job.layers}
-    trainer = Trainer(students, d2t, train, job.train, job.work / "ckpt.pt",
-                      jsonl_logger(job.work / "train_log.jsonl"))
+    trainer = Trainer(
+        students,
+        d2t,
+        train,
+        job.train,
+        job.work / "ckpt.pt",
+        jsonl_logger(job.work / "train_log.jsonl"),
+    )
     last = trainer.run()
     report = {
-        "target": job.target_spec, "device": str(device),
+        "target": job.target_spec,
+        "device": str(device),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "train_sequences": len(train), "train_tokens": len(train.tokens),
+        "train_sequences": len(train),
+        "train_tokens": len(train.tokens),
         "train_continuation_tokens": int(len(train.tokens) - train.prompt_lens.sum()),
-        "heldout_sequences": len(heldout), "generate_s": round(gen_s, 1),
-        "steps": trainer.step, "epochs": trainer.epoch, "train_s": round(trainer.elapsed, 1),
-        "train_config": asdict(job.train), "gen_config": asdict(job.gen), "last_step": last,
-        "draft_vocab": len(d2t), **vocab_info, "students": {},
+        "heldout_sequences": len(heldout),
+        "generate_s": round(gen_s, 1),
+        "steps": trainer.step,
+        "epochs": trainer.epoch,
+        "train_s": round(trainer.elapsed, 1),
+        "train_config": asdict(job.train),
+        "gen_config": asdict(job.gen),
+        "last_step": last,
+        "draft_vocab": len(d2t),
+        **vocab_info,
+        "students": {},
     }
     head = teacher.embed_tokens.weight.detach()[d2t.to(device)]
     for name, student in students.items():
         dest = job.out if len(students) == 1 else job.out / name
-        export_drafter(trainable_state(student), d2t, job.target_dir, job.target_spec, dest, job.weight_format)
+        export_drafter(
+            trainable_state(student), d2t, job.target_dir, job.target_spec, dest, job.weight_format
+        )
         student.eval()
-        acc = measure.summarize(measure.draft_matches(student, head, d2t.to(device), heldout), depth=4)
+        acc = measure.summarize(
+            measure.draft_matches(student, head, d2t.to(device), heldout), depth=4
+        )
         report["students"][name] = acc.as_dict()
-        _say(f"{name}: held-out top-1 {acc.top1_agreement:.3f}, mean emitted (depth 4) {acc.mean_emitted:.3f}")
+        _say(
+            f"{name}: held-out top-1 {acc.top1_agreement:.3f}, mean emitted (depth 4) {acc.mean_emitted:.3f}"
+        )
     job.out.mkdir(parents=True, exist_ok=True)
     (job.out / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-

@@ -19,40 +19,61 @@ from adaserve.distill import prompt_topics as T
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 
 EXPLAIN = [
-    "Explain {t} in simple terms.", "What is {t}?", "Give me three interesting facts about {t}.",
-    "How does {t} work?", "What are the main advantages and disadvantages of {t}?",
-    "Write a short paragraph about {t} for a ten-year-old.", "Why is {t} important?",
-    "Describe the history of {t} briefly.", "What are common misconceptions about {t}?",
-    "Write a short blog post introduction about {t}.", "Create a quiz with three questions about {t}.",
-    "Summarize the key ideas of {t} in a few bullet points.", "Write a haiku about {t}.",
-    "Write a short poem about {t}.", "Tell me a fun story that involves {t}.",
-    "Compare {t} and {u}.", "How are {t} and {u} related?",
+    "Explain {t} in simple terms.",
+    "What is {t}?",
+    "Give me three interesting facts about {t}.",
+    "How does {t} work?",
+    "What are the main advantages and disadvantages of {t}?",
+    "Write a short paragraph about {t} for a ten-year-old.",
+    "Why is {t} important?",
+    "Describe the history of {t} briefly.",
+    "What are common misconceptions about {t}?",
+    "Write a short blog post introduction about {t}.",
+    "Create a quiz with three questions about {t}.",
+    "Summarize the key ideas of {t} in a few bullet points.",
+    "Write a haiku about {t}.",
+    "Write a short poem about {t}.",
+    "Tell me a fun story that involves {t}.",
+    "Compare {t} and {u}.",
+    "How are {t} and {u} related?",
     "I am a beginner. Where should I start if I want to learn about {t}?",
-    "Write a tweet about {t}.", "What questions would an expert ask about {t}?",
+    "Write a tweet about {t}.",
+    "What questions would an expert ask about {t}?",
 ]
 CODING = [
-    "Write a {lang} function that {task}.", "How do I write code in {lang} that {task}?",
+    "Write a {lang} function that {task}.",
+    "How do I write code in {lang} that {task}?",
     "Write a {lang} program that {task}, and explain how it works.",
     "Show me an example in {lang} of a function that {task}, with comments.",
     "Write unit tests in {lang} for a function that {task}.",
 ]
 CODING_CONCEPT = [
-    "Explain {c} with a short code example.", "What is {c} in programming?",
-    "When should I use {c}?", "What are common mistakes with {c}?",
+    "Explain {c} with a short code example.",
+    "What is {c} in programming?",
+    "When should I use {c}?",
+    "What are common mistakes with {c}?",
 ]
 CHAT = [
-    "Hi! Can you help me plan {a}?", "Give me some tips for {a}.",
-    "I'm nervous about {a}. Any advice?", "What should I pack or prepare for {a}?",
-    "Can you make a simple checklist for {a}?", "My friend and I disagree about {a}. How do we decide?",
-    "Write a friendly message inviting my friends to {a}.", "What are some fun ideas for {a}?",
+    "Hi! Can you help me plan {a}?",
+    "Give me some tips for {a}.",
+    "I'm nervous about {a}. Any advice?",
+    "What should I pack or prepare for {a}?",
+    "Can you make a simple checklist for {a}?",
+    "My friend and I disagree about {a}. How do we decide?",
+    "Write a friendly message inviting my friends to {a}.",
+    "What are some fun ideas for {a}?",
 ]
 WRITING = [
-    "Write a short email to {who} about {what}.", "Write a polite note to {who} about {what}.",
-    "Write a short speech for {who} about {what}.", "Draft a text message to {who} about {what}.",
+    "Write a short email to {who} about {what}.",
+    "Write a polite note to {who} about {what}.",
+    "Write a short speech for {who} about {what}.",
+    "Draft a text message to {who} about {what}.",
 ]
 WRITER = [
-    "Write a short news report about {t}.", "Write a short informative paragraph about {t}.",
-    "Write a short story about {t}.", "Write a short opinion piece about {t}.",
+    "Write a short news report about {t}.",
+    "Write a short informative paragraph about {t}.",
+    "Write a short story about {t}.",
+    "Write a short opinion piece about {t}.",
     "Write a short product description related to {t}.",
 ]
 SUMMARIZE = [
@@ -70,31 +91,52 @@ SUMMARIZE = [
 def _math(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 20)
     item, name = rng.choice(T.MATH_ITEMS), rng.choice(T.NAMES)
-    return rng.choice([
-        f"What is {a} + {b}?", f"What is {a} times {c}?", f"Solve for x: {c}x + {a} = {a + c * b}.",
-        f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
-        f"{name} has {a * c} {item} and shares them equally among {c} friends. How many does each friend get?",
-        f"What is {c} percent of {a * 10}?", f"Is {a} a prime number? Explain.",
-        f"Convert {a} kilometers to miles.", f"What is the average of {a}, {b} and {c}?",
-    ])
+    return rng.choice(
+        [
+            f"What is {a} + {b}?",
+            f"What is {a} times {c}?",
+            f"Solve for x: {c}x + {a} = {a + c * b}.",
+            f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
+            f"{name} has {a * c} {item} and shares them equally among {c} friends. How many does each friend get?",
+            f"What is {c} percent of {a * 10}?",
+            f"Is {a} a prime number? Explain.",
+            f"Convert {a} kilometers to miles.",
+            f"What is the average of {a}, {b} and {c}?",
+        ]
+    )
 
 
 def _user(text: str) -> dict:
     return {"messages": [{"role": "user", "content": text}]}
 
 
-def build(topics: list[str], tasks: list[str], concepts: list[str], activities: list[str],
-          texts: list[str], rng: random.Random, n_math: int, per_topic: int) -> list[dict]:
+def build(
+    topics: list[str],
+    tasks: list[str],
+    concepts: list[str],
+    activities: list[str],
+    texts: list[str],
+    rng: random.Random,
+    n_math: int,
+    per_topic: int,
+) -> list[dict]:
     out: list[dict] = []
     for t in topics:
         for tpl in rng.sample(EXPLAIN, per_topic):
             out.append({"category": "qa", **_user(tpl.format(t=t, u=rng.choice(topics)))})
         for tpl in rng.sample(WRITER, 3):
-            out.append({"category": "summarize", "writer": tpl.format(t=t),
-                        "template": rng.choice(SUMMARIZE)})
+            out.append(
+                {
+                    "category": "summarize",
+                    "writer": tpl.format(t=t),
+                    "template": rng.choice(SUMMARIZE),
+                }
+            )
     for task in tasks:
         for lang in rng.sample(T.LANGUAGES, 5):
-            out.append({"category": "coding", **_user(rng.choice(CODING).format(lang=lang, task=task))})
+            out.append(
+                {"category": "coding", **_user(rng.choice(CODING).format(lang=lang, task=task))}
+            )
     for c in concepts:
         for tpl in rng.sample(CODING_CONCEPT, 3):
             out.append({"category": "coding", **_user(tpl.format(c=c))})
@@ -112,10 +154,26 @@ def build(topics: list[str], tasks: list[str], concepts: list[str], activities: 
 
 
 def main() -> None:
-    train = build(T.TRAIN_TOPICS, T.TRAIN_TASKS, T.TRAIN_CONCEPTS, T.TRAIN_ACTIVITIES, [],
-                  random.Random(1), n_math=600, per_topic=10)
-    heldout = build(T.HELDOUT_TOPICS, T.HELDOUT_TASKS, T.HELDOUT_CONCEPTS, T.HELDOUT_ACTIVITIES,
-                    T.HELDOUT_TEXTS, random.Random(2), n_math=20, per_topic=2)
+    train = build(
+        T.TRAIN_TOPICS,
+        T.TRAIN_TASKS,
+        T.TRAIN_CONCEPTS,
+        T.TRAIN_ACTIVITIES,
+        [],
+        random.Random(1),
+        n_math=600,
+        per_topic=10,
+    )
+    heldout = build(
+        T.HELDOUT_TOPICS,
+        T.HELDOUT_TASKS,
+        T.HELDOUT_CONCEPTS,
+        T.HELDOUT_ACTIVITIES,
+        T.HELDOUT_TEXTS,
+        random.Random(2),
+        n_math=20,
+        per_topic=2,
+    )
     # held-out writer stages would need the target at measuring time: keep only direct prompts
     seen = {json.dumps(p.get("messages")) for p in train}  # random maths can collide
     heldout = [p for p in heldout if "writer" not in p and json.dumps(p["messages"]) not in seen]

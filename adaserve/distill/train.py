@@ -46,7 +46,9 @@ class TrainConfig:
         if not self.steps and not self.time_budget_s:
             raise ValueError("give a step count or a time budget")
         if self.batch_tokens < self.max_len:
-            raise ValueError(f"batch_tokens ({self.batch_tokens}) must be >= max_len ({self.max_len})")
+            raise ValueError(
+                f"batch_tokens ({self.batch_tokens}) must be >= max_len ({self.max_len})"
+            )
 
 
 def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
@@ -56,7 +58,9 @@ def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def make_batches(lengths: np.ndarray, batch_tokens: int, rng: np.random.Generator) -> list[np.ndarray]:
+def make_batches(
+    lengths: np.ndarray, batch_tokens: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Index batches of similar lengths with rows * longest <= batch_tokens, shuffled."""
     order = np.argsort(lengths + rng.random(len(lengths)), kind="stable")  # random tie-break
     batches, cur, longest = [], [], 0
@@ -91,8 +95,11 @@ def collate(data: Sequences, idx: np.ndarray, max_len: int, device) -> tuple[tor
             mask[r, pl - 1 : len(s) - 1] = True
             rows.append(starts[i] + np.arange(kept))
     rows_np = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    return (torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device),
-            torch.from_numpy(rows_np).to(device))
+    return (
+        torch.from_numpy(ids).to(device),
+        torch.from_numpy(mask).to(device),
+        torch.from_numpy(rows_np).to(device),
+    )
 
 
 class Trainer:
@@ -116,8 +123,12 @@ class Trainer:
         self.topk_logp = torch.from_numpy(data.topk_logp).to(self.device)
         self.ckpt_path, self.log = ckpt_path, log
         self.opts = {
-            name: torch.optim.AdamW([p for p in s.parameters() if p.requires_grad], lr=cfg.lr,
-                                    betas=(0.9, 0.95), weight_decay=0.0)
+            name: torch.optim.AdamW(
+                [p for p in s.parameters() if p.requires_grad],
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                weight_decay=0.0,
+            )
             for name, s in students.items()
         }
         self.step, self.elapsed, self.epoch, self.cursor = 0, 0.0, 0, 0
@@ -129,18 +140,26 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------
     def _save(self) -> None:
         tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save({
-            "step": self.step, "elapsed": self.elapsed, "epoch": self.epoch, "cursor": self.cursor,
-            "students": {n: trainable_state(s) for n, s in self.students.items()},
-            "opts": {n: o.state_dict() for n, o in self.opts.items()},
-        }, tmp)
+        torch.save(
+            {
+                "step": self.step,
+                "elapsed": self.elapsed,
+                "epoch": self.epoch,
+                "cursor": self.cursor,
+                "students": {n: trainable_state(s) for n, s in self.students.items()},
+                "opts": {n: o.state_dict() for n, o in self.opts.items()},
+            },
+            tmp,
+        )
         tmp.replace(self.ckpt_path)
 
     def _load(self) -> None:
         ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=True)
         if set(ck["students"]) != set(self.students):
-            raise ValueError(f"{self.ckpt_path}: checkpoint has students {sorted(ck['students'])}, "
-                             f"this run trains {sorted(self.students)}")
+            raise ValueError(
+                f"{self.ckpt_path}: checkpoint has students {sorted(ck['students'])}, "
+                f"this run trains {sorted(self.students)}"
+            )
         for n, s in self.students.items():
             s.load_state_dict(ck["students"][n], strict=False)
             self.opts[n].load_state_dict(ck["opts"][n])
@@ -150,16 +169,26 @@ class Trainer:
     # -- loop ---------------------------------------------------------------------------
     def progress(self) -> float:
         c = self.cfg
-        return max(self.step / c.steps if c.steps else 0.0,
-                   self.elapsed / c.time_budget_s if c.time_budget_s else 0.0)
+        return max(
+            self.step / c.steps if c.steps else 0.0,
+            self.elapsed / c.time_budget_s if c.time_budget_s else 0.0,
+        )
 
     def _epoch_batches(self) -> list[np.ndarray]:
-        return make_batches(self.lengths, self.cfg.batch_tokens, np.random.default_rng(self.cfg.seed + self.epoch))
+        return make_batches(
+            self.lengths, self.cfg.batch_tokens, np.random.default_rng(self.cfg.seed + self.epoch)
+        )
 
     def run(self) -> dict[str, float]:
         cfg = self.cfg
         batches = self._epoch_batches()
-        bar = tqdm(total=1000, desc="distill", unit="‰", mininterval=2.0, initial=int(self.progress() * 1000))
+        bar = tqdm(
+            total=1000,
+            desc="distill",
+            unit="‰",
+            mininterval=2.0,
+            initial=int(self.progress() * 1000),
+        )
         last_save, stats = time.monotonic(), {}
         while self.progress() < 1.0:
             if self.cursor >= len(batches):
@@ -173,10 +202,19 @@ class Trainer:
                 torch.cuda.synchronize()
             self.elapsed += time.monotonic() - t0
             bar.n = min(int(self.progress() * 1000), 1000)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items() if k.endswith("agree")}, refresh=False)
+            bar.set_postfix(
+                {k: f"{v:.3f}" for k, v in stats.items() if k.endswith("agree")}, refresh=False
+            )
             bar.update(0)
             if self.step % cfg.log_every == 0:
-                self.log({"step": self.step, "epoch": self.epoch, "elapsed_s": round(self.elapsed, 1), **stats})
+                self.log(
+                    {
+                        "step": self.step,
+                        "epoch": self.epoch,
+                        "elapsed_s": round(self.elapsed, 1),
+                        **stats,
+                    }
+                )
             if time.monotonic() - last_save > cfg.save_every_s:
                 self._save()
                 last_save = time.monotonic()
@@ -192,12 +230,19 @@ class Trainer:
         d_ids = self.t2d[t_ids]  # [n, K] draft ids, -1 outside the draft vocabulary
         ok = d_ids >= 0
         t_logp = torch.log_softmax(
-            self.topk_logp[rows].float().masked_fill(~ok, float("-inf")) / cfg.temperature, -1)
+            self.topk_logp[rows].float().masked_fill(~ok, float("-inf")) / cfg.temperature, -1
+        )
         t_p = t_logp.exp().nan_to_num(0.0)  # rows with no draft token: all zero, no loss
         t_plogp = (t_p * t_logp.masked_fill(~ok, 0.0)).sum(-1)  # -entropy, for a true KL
-        amp = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        amp = torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
+        )
         lr = cfg.lr * lr_factor(self.progress(), cfg.warmup, cfg.min_lr_ratio)
-        stats = {"lr": lr, "tokens": float(mask.sum()), "label_in_vocab": float((self.t2d[labels] >= 0).float().mean())}
+        stats = {
+            "lr": lr,
+            "tokens": float(mask.sum()),
+            "label_in_vocab": float((self.t2d[labels] >= 0).float().mean()),
+        }
         for name, student in self.students.items():
             student.train()
             with amp:
@@ -209,12 +254,16 @@ class Trainer:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in student.parameters() if p.requires_grad], cfg.grad_clip
+            )
             opt.step()
             with torch.no_grad():
                 s_top = self.d2t[s_logits.argmax(-1)]
                 stats[f"{name}/kl"] = float(loss)
-                stats[f"{name}/agree"] = float((s_top == t_ids[:, 0]).float().mean())  # vs target argmax
+                stats[f"{name}/agree"] = float(
+                    (s_top == t_ids[:, 0]).float().mean()
+                )  # vs target argmax
                 stats[f"{name}/label_agree"] = float((s_top == labels).float().mean())
         return stats
 

@@ -19,8 +19,16 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or n
 from adaserve.distill.generate import generate_batch  # noqa: E402
 from adaserve.distill.llama import LlamaModel, LlamaShape  # noqa: E402
 
-SMOLLM2 = LlamaShape(vocab=49152, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64,
-                     rope_theta=100000.0, eps=1e-5)
+SMOLLM2 = LlamaShape(
+    vocab=49152,
+    hidden=576,
+    intermediate=1536,
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    eps=1e-5,
+)
 
 
 def main() -> None:
@@ -55,8 +63,11 @@ def main() -> None:
         tokens[static] = [o.tokens for o in outs]
         step = (times[args.new] - times[1]) / (args.new - 1)
         mode = "static" + (" (CUDA graph)" if dev.type == "cuda" else "") if static else "eager"
-        print(f"{mode:>20}: batch {args.batch}, {args.layers} layers: prefill+1 {times[1]:.3f} s, "
-              f"decode step {step * 1e3:.1f} ms, {args.batch / step:.0f} tokens/s", flush=True)
+        print(
+            f"{mode:>20}: batch {args.batch}, {args.layers} layers: prefill+1 {times[1]:.3f} s, "
+            f"decode step {step * 1e3:.1f} ms, {args.batch / step:.0f} tokens/s",
+            flush=True,
+        )
     same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
     print(f"rows identical eager vs static: {same}/{len(prompts)}", flush=True)
     if args.profile:

@@ -21,14 +21,18 @@ def main(out: Path, work: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     report = json.loads((out / "distill_report.json").read_text())
     log = work / "train_log.jsonl"
-    report["train_log"] = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+    report["train_log"] = (
+        [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+    )
     first = True
     for sdir in sorted(p for p in out.iterdir() if p.is_dir()):
         state = load_file(str(sdir / "model.safetensors"))
         if first:  # small extras ride along with the first student
             state.update({"__d2t": load_file(str(sdir / "draft_vocab.safetensors"))["d2t"]})
             first = False
-        report.setdefault("drafter_configs", {})[sdir.name] = json.loads((sdir / "config.json").read_text())
+        report.setdefault("drafter_configs", {})[sdir.name] = json.loads(
+            (sdir / "config.json").read_text()
+        )
         shard, size, n = {}, 0, 0
         for k in sorted(state):
             nbytes = state[k].numel() * state[k].element_size()

@@ -34,7 +34,9 @@ def main(files: Path, target: str, dest: Path, weight_format: str = "float") -> 
         cfg = json.loads((dest / name / "config.json").read_text())
         want = report["drafter_configs"][name]["num_hidden_layers"]
         if cfg["num_hidden_layers"] != want:
-            raise ValueError(f"{name}: {cfg['num_hidden_layers']} layers rebuilt, the run trained {want}")
+            raise ValueError(
+                f"{name}: {cfg['num_hidden_layers']} layers rebuilt, the run trained {want}"
+            )
         print(f"{dest / name}: {want} layers, held-out {report['students'].get(name)}")
 
 

@@ -23,12 +23,23 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-               "generation_config.json", "special_tokens_map.json")
+SMALL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 HF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -38,20 +49,27 @@ def pack(gguf_path: Path, hf_dir: Path, outs: list[Path], split_layers: list[int
     import gguf
 
     if len(outs) != len(split_layers) + 1 or split_layers != sorted(split_layers):
-        raise ValueError(f"{len(outs)} parts need {len(outs) - 1} increasing split layers, got {split_layers}")
+        raise ValueError(
+            f"{len(outs)} parts need {len(outs) - 1} increasing split layers, got {split_layers}"
+        )
     reader = gguf.GGUFReader(str(gguf_path))
     parts: list[dict[str, np.ndarray]] = [{} for _ in outs]
     meta: list[dict[str, dict]] = [{} for _ in outs]
     for t in reader.tensors:
         # the first parts alone unpack to a truncated model (smoke runs)
-        part = int(np.searchsorted(split_layers, int(t.name.split(".")[1]), side="right")) \
-            if t.name.startswith("blk.") else 0
+        part = (
+            int(np.searchsorted(split_layers, int(t.name.split(".")[1]), side="right"))
+            if t.name.startswith("blk.")
+            else 0
+        )
         parts[part][t.name] = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
         shape = [int(x) for x in reversed(t.shape)]  # gguf lists the fastest axis first
         meta[part][t.name] = {"type": t.tensor_type.name, "shape": shape}
     for part, out in enumerate(outs):
         out.mkdir(parents=True, exist_ok=True)
-        save_file(parts[part], str(out / "raw.safetensors"), metadata={"tensors": json.dumps(meta[part])})
+        save_file(
+            parts[part], str(out / "raw.safetensors"), metadata={"tensors": json.dumps(meta[part])}
+        )
         shutil.copy(hf_dir / "config.json", out / "config.json")
     for name in SMALL_FILES:
         if (hf_dir / name).is_file():
@@ -100,7 +118,9 @@ def unpack(dirs: list[Path], dest: Path) -> None:
                 shutil.copy(d / name, dest / name)
     cfg = json.loads((dest / "config.json").read_text())
     layers = {int(n.split(".")[1]) for d in dirs for n in _meta(d) if n.startswith("blk.")}
-    if layers != set(range(cfg["num_hidden_layers"])):  # part 1 alone: a truncated target (smoke tests)
+    if layers != set(
+        range(cfg["num_hidden_layers"])
+    ):  # part 1 alone: a truncated target (smoke tests)
         cfg["num_hidden_layers"] = len(layers)
         (dest / "config.json").write_text(json.dumps(cfg, indent=2))
     state: dict[str, torch.Tensor] = {}
@@ -117,8 +137,10 @@ def unpack(dirs: list[Path], dest: Path) -> None:
                     w = _reverse_permute(w, cfg["num_key_value_heads"])
                 key = f"model.layers.{layer}.{HF_NAMES[kind]}.weight"
             else:
-                key = {"token_embd.weight": "model.embed_tokens.weight",
-                       "output_norm.weight": "model.norm.weight"}[name]
+                key = {
+                    "token_embd.weight": "model.embed_tokens.weight",
+                    "output_norm.weight": "model.norm.weight",
+                }[name]
             state[key] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
     from safetensors.torch import save_file as save_torch
 
@@ -132,7 +154,9 @@ def main() -> None:
     p.add_argument("gguf", type=Path)
     p.add_argument("hf_dir", type=Path)
     p.add_argument("outs", type=Path, nargs="+")
-    p.add_argument("--split-layers", default="0,15", help="comma list: the first layer of parts 2, 3, ...")
+    p.add_argument(
+        "--split-layers", default="0,15", help="comma list: the first layer of parts 2, 3, ..."
+    )
     u = sub.add_parser("unpack")
     u.add_argument("dirs", type=Path, nargs="+")
     args = ap.parse_args()
