@@ -3,25 +3,27 @@
 Every iteration runs one target forward holding the selected trees of the decoding
 requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
 `BatchForward`, paper 004; vLLM V1 and SGLang mix prefill and decode the same way).
-`form_batch` splits the iteration's tokens in SLO order:
+`form_batch` decides the split, in SLO order:
 
-1. every decoding request gets its root, and the tree tokens its TPOT SLO needs: a
-   request behind schedule needs A(r) > 1 tokens accepted this iteration, so it is
-   reserved the drafted nodes a chain of the planned depth needs to expect that many
-   (selection spends them; `adaserve/slo.py` has A(r));
-2. prefill chunks in order of TTFT deadline (earliest first), as many tokens as fit in
-   the iteration time the decoding requests' TPOT SLOs allow;
-3. whatever the trees may still use, up to the knee budget B, goes to selection's
-   throughput phase.
+1. **SLO trees.** Every decoding request gets its root, and a request behind schedule
+   the drafted nodes it needs to get back on its TPOT SLO: A(r) > 1 tokens accepted
+   this iteration take the shortest chain whose expected accepted tokens reach A_cap(r)
+   (`adaserve/slo.py` has A(r); selection spends these first).
+2. **Prefill the TTFT deadlines need.** Prompts are served earliest TTFT deadline first;
+   the tokens this iteration must prefill so that, at this pace, every prompt meets its
+   deadline come next, taken from the throughput trees if need be.
+3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
+4. **The rest of the time to prefill.** An iteration may run longer than its decode
+   work by what the decoding requests can afford: never past the tightest TPOT SLO
+   times the tokens a request expects from its tree, and never more than `stretch`
+   times the decode work alone (a prompt that arrives slows the running streams by at
+   most that factor, whatever their slack).
 
-The iteration time the decoding requests allow is paced by their SLOs: no iteration
-runs longer than the tightest TPOT SLO in the batch (every request emits at least its
-bonus token per iteration, so its stream never waits longer than its SLO for a token;
-SLOs-Serve's Algorithm 2 sets the batch latency the same way). The token count that
-fits in that time is read off the forward's latency model, not a fixed chunk size.
-While prompts wait, each iteration prefills at least `min_prefill_tokens`, so a steady
-stream of tight requests slows prefill down but never stops it; earliest-deadline order
-then serves every prompt, since deadlines are finite.
+The token counts come from the forward's latency model (`adaserve/latency.py`), not a
+fixed chunk size. While prompts wait, each iteration prefills at least
+`min_prefill_tokens`, so a steady stream of tight requests slows prefill down but never
+stops it; earliest-deadline order then serves every prompt, since deadlines are finite
+(a request without a TTFT SLO is ordered by a late default deadline).
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ class BatchLimits:
     tree_budget: int  # B: the most tree tokens selection may verify (the verify knee)
     max_batch_tokens: int  # the most tokens one forward carries, trees and chunks
     min_prefill_tokens: int  # prefill progress per iteration while prompts wait
+    stretch: float = 2.0  # the most an iteration may outlast its decode work, as a factor
     depth: int = 0  # planned draft depth this iteration (0: no drafting)
-    acceptance: float = 0.75  # per drafted token, for the SLO reservation
+    width: int = 1
+    acceptance: float = 0.75  # per drafted token: expected tokens per tree
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class BatchPlan:
     chunks: tuple[tuple[str, int], ...]  # (request id, prompt tokens) in deadline order
     tree_budget: int  # tokens selection may spend on trees (>= one root per request)
     slo_tree_tokens: int  # tree tokens reserved for the decoding requests' SLOs
-    time_limit_ms: float  # the iteration time the TPOT SLOs allow (inf: none decoding)
+    time_limit_ms: float  # the iteration time planned (inf: nothing decoding)
 
     @property
     def prefill_tokens(self) -> int:
@@ -87,46 +91,45 @@ def form_batch(
     limits: BatchLimits,
     forward_ms: ForwardCost,
     overhead_ms: float = 0.0,
+    now_ms: float = 0.0,
 ) -> BatchPlan:
-    """The iteration's split of tokens. `overhead_ms`: the rest of the iteration outside
-    the forward (drafting), which the TPOT pacing must leave room for."""
+    """The iteration's split of tokens. `overhead_ms`: the iteration's time outside the
+    forward (drafting); `now_ms`: the engine clock, on which deadlines are given."""
     n = len(decoding)
     slo_tokens = n + int(slo_draft_tokens(decoding, limits).sum())
-    time_limit = min((d.tpot_slo_ms for d in decoding), default=math.inf)
+    # Trees as large as the plan lets them be, up to the knee: a decode-only iteration.
+    trees = n * (1 + limits.depth * limits.width) if limits.depth > 0 else n
+    trees = max(min(trees, limits.tree_budget), slo_tokens)
     remaining = sum(p.remaining for p in prefilling)
     if remaining == 0:
-        # Decode-only iteration: selection keeps the whole knee budget, as without
-        # prefill (its own SLO and marginal-value rules decide what to verify).
-        return BatchPlan((), max(limits.tree_budget, n), slo_tokens, time_limit)
-    room = limits.max_batch_tokens - slo_tokens
-    if n and math.isfinite(time_limit):
-        fits = _max_prefill(forward_ms, slo_tokens, time_limit - overhead_ms, max(room, 0))
-        prefill = max(fits, limits.min_prefill_tokens)
-    else:
-        prefill = room
-    prefill = min(max(prefill, limits.min_prefill_tokens, 1), remaining)
+        # Selection keeps the whole knee budget: its own SLO and marginal-value rules
+        # decide what to verify, exactly as without prefill.
+        return BatchPlan((), max(limits.tree_budget, n), slo_tokens, math.inf)
+    cap = limits.max_batch_tokens
     order = sorted(prefilling, key=lambda p: (p.deadline_ms, p.priority, p.arrival_ms, p.id))
-    chunks = []
-    for p in order:
-        take = min(p.remaining, prefill)
-        if take <= 0:
-            break
-        chunks.append((p.id, take))
-        prefill -= take
-    spent = sum(t for _, t in chunks)
-    # Throughput trees get what the forward still holds within the time limit and the knee.
-    tree_room = limits.tree_budget
-    if n and math.isfinite(time_limit):
-        tree_room = min(tree_room, _max_trees(forward_ms, spent, time_limit - overhead_ms))
-    tree_budget = max(min(tree_room, limits.max_batch_tokens - spent), slo_tokens, n)
-    return BatchPlan(tuple(chunks), tree_budget, slo_tokens, time_limit)
+    if n == 0:
+        return BatchPlan(_chunks(order, min(cap, remaining)), n, 0, math.inf)
+
+    decode_ms = forward_ms(trees, 0) + overhead_ms
+    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
+    slo_ms = min(d.tpot_slo_ms for d in decoding) * expected
+    limit_ms = max(decode_ms, min(limits.stretch * decode_ms, slo_ms))
+    budget_ms = limit_ms - overhead_ms
+    prefill = _most(lambda p: forward_ms(trees, p), budget_ms, max(cap - trees, 0))
+    need = _ttft_need(order, limit_ms, now_ms)
+    if need > prefill and trees > slo_tokens:
+        # Deadlines at risk: the throughput trees give way, the SLO trees stay.
+        trees = max(slo_tokens, min(trees, _most(lambda t: forward_ms(t, need), budget_ms, trees)))
+        prefill = _most(lambda p: forward_ms(trees, p), budget_ms, max(cap - trees, 0))
+    prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
+    return BatchPlan(_chunks(order, prefill), trees, slo_tokens, limit_ms)
 
 
 def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:
     """Drafted nodes each request needs this iteration to stay on its TPOT SLO: the
     shortest chain whose expected accepted tokens, sum(alpha^j, j = 0..k), reach
-    A_cap(r) = min(A(r), d + 1), with A(r) at an iteration as long as the pacing allows
-    (the tightest SLO). int64 [n]; zeros without drafting."""
+    A_cap(r) = min(A(r), d + 1), with A(r) at an iteration as long as the tightest SLO.
+    int64 [n]; zeros without drafting."""
     n = len(decoding)
     if n == 0 or limits.depth <= 0:
         return np.zeros(n, dtype=np.int64)
@@ -144,40 +147,38 @@ def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.nd
     return np.minimum(k, limits.depth).astype(np.int64)
 
 
-def _max_prefill(forward_ms: ForwardCost, trees: int, limit_ms: float, cap: int) -> int:
-    """The most prefill tokens (<= cap) a forward with `trees` tree tokens carries
-    within limit_ms: binary search on the (monotone) latency model."""
+def _ttft_need(order: Sequence[Prefilling], iteration_ms: float, now_ms: float) -> int:
+    """Prompt tokens this iteration must prefill for every prompt to reach its deadline
+    at this pace, prompts served in `order`: the largest, over the order's prefixes, of
+    the prefix's remaining tokens spread over the iterations left before its deadline
+    (all of them once the deadline has passed)."""
+    need, total = 0.0, 0
+    for p in order:
+        total += p.remaining
+        iterations = (p.deadline_ms - now_ms) / iteration_ms
+        need = max(need, total / iterations if iterations > 1 else total)
+    return math.ceil(need)
+
+
+def _most(cost: Callable[[int], float], limit_ms: float, cap: int) -> int:
+    """The largest x in [0, cap] with cost(x) <= limit_ms (cost monotone), 0 if none."""
     lo, hi = 0, cap
-    if forward_ms(trees, 0) > limit_ms:
-        return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if forward_ms(trees, mid) <= limit_ms:
+        if cost(mid) <= limit_ms:
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def _max_trees(forward_ms: ForwardCost, prefill: int, limit_ms: float, cap: int = 4096) -> int:
-    lo, hi = 0, cap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if forward_ms(mid, prefill) <= limit_ms:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def ttft_attainable(
-    prompt_tokens: int,
-    queued_tokens: int,
-    ttft_slo_ms: float,
-    prefill_ms_per_token: float,
-) -> bool:
-    """Whether a prompt can reach its first token within its TTFT SLO: the prompt tokens
-    of every request ahead of it in deadline order plus its own, at the best prefill
-    rate this deployment reaches (a full batch of prompt tokens per forward). An
-    optimistic test: what fails it can never be met; what passes may still be late."""
-    return (queued_tokens + prompt_tokens) * prefill_ms_per_token <= ttft_slo_ms
+def _chunks(order: Sequence[Prefilling], tokens: int) -> tuple[tuple[str, int], ...]:
+    """`tokens` prompt tokens handed out in `order`, each prompt up to what it has left."""
+    out = []
+    for p in order:
+        if tokens <= 0:
+            break
+        take = min(p.remaining, tokens)
+        out.append((p.id, take))
+        tokens -= take
+    return tuple(out)

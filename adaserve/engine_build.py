@@ -37,13 +37,24 @@ def build_engine(settings: Settings) -> Engine:
     )
     tokenizer = load_tokenizer(target_dir)
     if settings.slo.baseline_tpot_ms == "auto":
-        from adaserve.sim.measure import measure_baseline_ms
+        from adaserve.config import LatencyCurve
+        from adaserve.sim.measure import measure_baseline_ms, measure_forward_curve
 
         baseline = round(measure_baseline_ms(runner), 2)
         log.info("baseline TPOT (plain decoding, batch 8) measured: %.2f ms", baseline)
         slo = settings.slo.model_copy(update={"baseline_tpot_ms": baseline})
         settings = settings.model_copy(update={"slo": slo})
-    target = RunnerTarget(runner, eos_token_ids(tokenizer, runner), settings.engine.prefill_chunk)
+        if settings.engine.latency_curve is None:
+            tokens, ms = measure_forward_curve(runner)
+            log.info(
+                "forward latency measured: %s",
+                ", ".join(f"{t:g} tokens {m:.1f} ms" for t, m in zip(tokens, ms, strict=True)),
+            )
+            engine = settings.engine.model_copy(
+                update={"latency_curve": LatencyCurve(tokens=tokens, ms=ms)}
+            )
+            settings = settings.model_copy(update={"engine": engine})
+    target = RunnerTarget(runner, eos_token_ids(tokenizer, runner))
     return Engine(
         target=target,
         drafter=build_drafter(settings, target_dir) if settings.engine.speculation else None,

@@ -37,6 +37,10 @@ num_waiting = Gauge("adaserve_num_requests_waiting", "Requests waiting for admis
 kv_usage = Gauge("adaserve_kv_cache_usage_perc", "Fraction of target KV blocks in use")
 
 iterations_total = Counter("adaserve_iterations_total", "Decode iterations")
+prefill_tokens_total = Counter(
+    "adaserve_prefill_tokens_total",
+    "Prompt tokens prefilled (chunks, in decode iterations or alone)",
+)
 iteration_seconds = Histogram(
     "adaserve_iteration_seconds",
     "Iteration latency by phase",
@@ -98,13 +102,23 @@ tpot_seconds = Histogram(
 )
 slo_attained_total = Counter(
     "adaserve_engine_slo_attained_total",
-    "Finished requests that met their TPOT SLO",
+    "Finished requests that met their SLO: TTFT (where set) and TPOT both",
     ["slo_class"],
 )
 slo_missed_total = Counter(
     "adaserve_engine_slo_missed_total",
-    "Finished requests that missed their TPOT SLO",
+    "Finished requests that missed their TTFT or TPOT SLO",
     ["slo_class"],
+)
+ttft_slo_total = Counter(
+    "adaserve_engine_ttft_slo_total",
+    "Finished requests by whether their first token met the TTFT SLO (none set: met)",
+    ["slo_class", "outcome"],
+)
+tpot_slo_total = Counter(
+    "adaserve_engine_tpot_slo_total",
+    "Finished requests of two or more tokens by whether they met the TPOT SLO",
+    ["slo_class", "outcome"],
 )
 goodput_tokens_total = Counter(
     "adaserve_engine_goodput_tokens_total",

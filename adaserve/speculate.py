@@ -13,6 +13,10 @@ engine committed that are not in the draft KV yet (their last one is the root). 
 * afterwards the pending chain is committed and every beam node is dropped, so
   speculative KV only ever lives in the runner's scratch for the call.
 
+An update marked `ingest` (a prompt chunk the target prefills in the same iteration)
+is forwarded into the draft KV and committed whole, with no logits; its tree is
+root-only. A long prompt so reaches the drafter chunk by chunk, never in one forward.
+
 With `stop_prob` > 0 a request's search ends before a step in which none of its beams
 has a path probability of at least `stop_prob`: the drafter's own confidence decides
 how deep each tree goes, up to `depth` (EAGLE-2 and SpecDec++ stop on the same signal).
@@ -46,6 +50,9 @@ class DraftUpdate:
     id: str
     new_tokens: np.ndarray  # int32: tokens committed since the last call (first call: all)
     total_len: int  # committed length after applying new_tokens (drift check)
+    # Take the tokens into the draft KV and draft nothing (a prompt being prefilled in
+    # chunks: the drafter prefills the same chunk in the same iteration).
+    ingest: bool = False
 
 
 class DrafterStateLost(RuntimeError):
@@ -120,20 +127,23 @@ class BeamDrafter:
         }
         roots = [int(chains[u.id][-1]) for u in updates]
         limit = int(getattr(self.runner, "max_model_len", 1 << 62))
+        ingest = [u for u in updates if u.ingest and chains[u.id].shape[0]]
         # Requests whose draft steps would run past the drafter's context stay root-only.
-        active = [u for u in updates if depth > 0 and u.total_len + depth <= limit]
+        active = [u for u in updates if not u.ingest and depth > 0 and u.total_len + depth <= limit]
         layers = None
         try:
+            if ingest:
+                self._ingest(ingest, chains)
             if active:
                 layers = self._beam_search(active, chains, depth, width, stop_prob)
         except BaseException:
-            for u in active:
+            for u in [*ingest, *active]:
                 if u.id not in fresh:
                     self.runner.commit(u.id, [])  # drop this call's scratch only
             for sid in fresh:  # never half-built: the engine re-sends these in full
                 self._drop(sid)
             raise
-        for u in active:
+        for u in [*ingest, *active]:
             self.runner.commit(u.id, range(chains[u.id].shape[0]))
             chains[u.id] = np.zeros(0, dtype=np.int32)
         self._pending.update(chains)
@@ -185,6 +195,17 @@ class BeamDrafter:
     def _drop(self, sid: str) -> None:
         self._pending.pop(sid, None)
         self.runner.free(sid)
+
+    def _ingest(self, updates: list[DraftUpdate], chains: dict[str, np.ndarray]) -> None:
+        """Forward the chains of prompt chunks into the draft KV: no logits are needed
+        (where the runner can skip them)."""
+        from adaserve.model.runner import SeqInput
+
+        inputs = [SeqInput.chain(u.id, chains[u.id]) for u in updates]
+        if self._last_rows == "logits_indices":
+            self.runner.forward(inputs, logits_indices=[])
+        else:
+            self._forward_last(inputs)
 
     def _forward_last(self, inputs) -> torch.Tensor:
         """Logits of each input's last node only: step 1 needs nothing else, and the LM

@@ -43,6 +43,7 @@ class Header:
     num_prompt_tokens: int
     tpot_slo_ms: float
     slo_class: str
+    ttft_slo_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class Generation:
             num_prompt_tokens=first.num_prompt_tokens,
             tpot_slo_ms=first.tpot_slo_ms,
             slo_class=first.slo_class or spec.metrics_class,
+            ttft_slo_ms=first.ttft_slo_ms or None,
         )
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -184,6 +186,7 @@ class Generation:
         h = self.header
         return {
             "tpot_slo_ms": h.tpot_slo_ms if h else None,
+            "ttft_slo_ms": h.ttft_slo_ms if h else None,
             "slo_class": h.slo_class if h else None,
             "best_effort": self.best_effort,
         }
@@ -203,7 +206,13 @@ class Generation:
         self.gw.metrics.requests.labels(self.spec.kind, str(status), slo_class).inc()
         if h is not None and self.finish_reason in ("stop", "length"):
             self.gw.metrics.finished(
-                slo_class, h.tpot_slo_ms, self.times, now, h.num_prompt_tokens, self.best_effort
+                slo_class,
+                h.tpot_slo_ms,
+                self.times,
+                now,
+                h.num_prompt_tokens,
+                self.best_effort,
+                ttft_slo_ms=h.ttft_slo_ms,
             )
         self._log(status, now)
 
@@ -223,6 +232,7 @@ class Generation:
             "unit": self.unit.address if self.unit else None,
             "slo_class": h.slo_class if h else self.spec.metrics_class,
             "tpot_slo_ms": h.tpot_slo_ms if h else self.spec.tpot_slo_ms,
+            "ttft_slo_ms": h.ttft_slo_ms if h else self.spec.ttft_slo_ms,
             "prompt_tokens": h.num_prompt_tokens if h else None,
             "completion_tokens": t.n_tokens,
             "ttft_ms": _ms(t.t_first - t.t_submit) if t.t_first is not None else None,

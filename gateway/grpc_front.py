@@ -106,6 +106,7 @@ class GatewayServicer(ggrpc.GatewayServicer):
                     text=c.text,
                     best_effort=gen.best_effort,
                     tpot_slo_ms=h.tpot_slo_ms,
+                    ttft_slo_ms=h.ttft_slo_ms or 0.0,
                 )
                 if c.finish_reason is not None:
                     out.finish_reason = _FINISH.get(c.finish_reason, vpb.FINISH_REASON_ERROR)
@@ -132,6 +133,7 @@ def _options(opts: gpb.RequestOptions, context: grpc.aio.ServicerContext) -> dic
         "model": opts.model or None,
         "top_k": opts.top_k or None,
         "tpot_slo_ms": opts.tpot_slo_ms or None,
+        "ttft_slo_ms": opts.ttft_slo_ms or None,
         "slo_class": opts.slo_class or None,
         "request_id": opts.request_id or None,
         "timeout": opts.timeout_s or None,

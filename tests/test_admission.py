@@ -126,7 +126,7 @@ def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
     )
     engine = engine_with(target_dir, drafter=drafter)
     streams = [engine.submit(req(i, PROMPTS[i], 6, 50.0)) for i in range(3)]
-    engine.step()  # speculated once: the drafter holds all three
+    engine.step()  # the prompts, handed to the drafter too: it holds all three
     assert drafter.inner.stats().num_sequences == 3
     drafter.down = True
     res = run_to_completion(engine, streams)
@@ -134,7 +134,7 @@ def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
         assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], 6)
     assert drafter.releases == []  # nothing attempted while it is down
     drafter.down = False
-    engine._drafter_retry_at = 0.0  # skip the 1 s back-off
+    engine.drafter._retry_at = 0.0  # skip the 1 s back-off
     engine.step()
     assert sorted(np.concatenate(drafter.releases).tolist()) == ["r0", "r1", "r2"]
     assert len(drafter.releases) == 1 and drafter.inner.stats().num_sequences == 0

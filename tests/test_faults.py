@@ -284,7 +284,12 @@ def test_unattainable_slo_is_served_best_effort_and_flagged(dep: Deployment) -> 
     )
     assert r.status_code == 200
     body = r.json()
-    assert body["slo"] == {"tpot_slo_ms": 0.05, "slo_class": "custom", "best_effort": True}
+    assert body["slo"] == {
+        "tpot_slo_ms": 0.05,
+        "ttft_slo_ms": None,
+        "slo_class": "custom",
+        "best_effort": True,
+    }
     assert body["choices"][0]["text"] == dep.text(dep.reference(1, 12))
     assert metric(f"{dep.gateway.url}/metrics", name, 'slo_class="custom"') == before + 1
 
@@ -431,11 +436,17 @@ def test_gateway_restarted(dep: Deployment) -> None:
     clients = [SSEClient(dep.gateway.url, PROMPTS[i]) for i in range(4)]
     wait_until("streams flowing", lambda: all(len(c.frames) >= 3 for c in clients), timeout=60)
     dep.gateway.kill()
+    interrupted = 0
     for i, c in enumerate(clients):
         c.join()
-        assert not c.completed and c.transport_error is not None
         ref = dep.text(dep.reference(i))
+        if c.completed:  # a fast stream can finish between the check above and the kill
+            assert c.text() == ref and c.transport_error is None
+            continue
+        interrupted += 1
+        assert c.transport_error is not None
         assert ref.startswith(c.text()) and len(c.text()) < len(ref)
+    assert interrupted  # the kill landed mid-stream
     dep.wait_idle()
     t0 = time.monotonic()
     dep.gateway.launch()

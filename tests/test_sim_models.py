@@ -26,7 +26,7 @@ from adaserve.sim.drafter import SimDrafter
 from adaserve.sim.target import SimTarget
 from adaserve.sim.workload import LengthDist, Workload
 from adaserve.speculate import DrafterStateLost, DraftUpdate
-from adaserve.target import VerifyItem
+from adaserve.target import PrefillChunk, VerifyItem
 from adaserve.tree import CandidateTree
 
 LLAMA = "llama-3.1-70b-tp4-a100"
@@ -121,11 +121,11 @@ def test_costs_double_in_a_window_with_factor_two():
         sampler = BetaDraft(DraftShape())
         drafter = SimDrafter(p, clock, lambda _id: sampler, np.random.default_rng(0))
         t0 = clock.now
-        target.prefill([("a", [1] * 100, SamplingParams(), None)])
+        target.forward([], [prompt("a", 100)])
         t1 = clock.now
         (tree,) = drafter.speculate(_updates(["a"]), depth=3, width=2)
         t2 = clock.now
-        target.verify([VerifyItem("a", tree, SamplingParams(max_tokens=99), None, 99)])
+        target.forward([VerifyItem("a", tree, SamplingParams(max_tokens=99), None, 99)], [])
         return tuple(1000 * d for d in (t1 - t0, t2 - t1, clock.now - t2))
 
     outside, inside = charged(2.0), charged(12.0)
@@ -251,6 +251,11 @@ def test_generation_is_deterministic():
     assert a == b and a != c
 
 
+def prompt(seq_id: str, n: int) -> PrefillChunk:
+    """A whole n-token prompt as one prefill chunk."""
+    return PrefillChunk(seq_id, np.ones(n, dtype=np.int32), 0, True, SamplingParams(), None)
+
+
 def _updates(ids, new=3):
     return [DraftUpdate(i, np.arange(1, new + 1, dtype=np.int32), new) for i in ids]
 
@@ -296,7 +301,7 @@ def test_target_acceptance_matches_path_probabilities():
     d = SimDrafter(prof, clock, lambda _id: sampler, np.random.default_rng(1))
     t = SimTarget(prof, clock, CalibratedAcceptance(), np.random.default_rng(2))
     ids = [f"r{i}" for i in range(16)]
-    t.prefill([(i, [1] * 10, SamplingParams(), None) for i in ids])
+    t.forward([], [prompt(i, 10) for i in ids])
     trees = d.speculate(_updates(ids), depth=4, width=3)
     progress = [RequestProgress(i, 40.0, 0.0, 0) for i in ids]
     sel = select(progress, trees, SelectionParams(budget=100, depth=4, t_spec_ms=50.0))
@@ -308,7 +313,7 @@ def test_target_acceptance_matches_path_probabilities():
             VerifyItem(i, s, SamplingParams(max_tokens=99), None, 99)
             for i, s in zip(ids, sub, strict=True)
         ]
-        for s, res in zip(sub, t.verify(items), strict=True):
+        for s, res in zip(sub, t.forward(items, []).verified, strict=True):
             path = res.accepted_nodes
             assert path[0] == 0 and len(res.emitted_tokens) == len(path)
             # a chain: every accepted node's parent is the previous accepted node
@@ -321,11 +326,11 @@ def test_target_caps_at_max_new_and_charges_verify_time():
     prof = load_profile(LLAMA)
     clock = VirtualClock()
     t = SimTarget(prof, clock, CalibratedAcceptance(), np.random.default_rng(0))
-    t.prefill([("a", [1] * 100, SamplingParams(), None)])
+    t.forward([], [prompt("a", 100)])
     after_prefill = clock.now
     assert after_prefill * 1000 == pytest.approx(prof.prefill_ms(100))
     chain = CandidateTree.chain([5, 6, 7, 8], [0.0, 0.0, 0.0, 0.0])  # q = 1: all accepted
-    (res,) = t.verify([VerifyItem("a", chain, SamplingParams(max_tokens=2), None, 2)])
+    (res,) = t.forward([VerifyItem("a", chain, SamplingParams(max_tokens=2), None, 2)], []).verified
     assert res.emitted_tokens.tolist() == [6, 7] and res.finish_reason == "length"
     assert (clock.now - after_prefill) * 1000 == pytest.approx(prof.verify_ms(4, 100))
     assert t.kv_usage() > 0

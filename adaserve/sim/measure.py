@@ -111,6 +111,39 @@ def measure_baseline_ms(runner, reps: int = 5, seed: int = 0) -> float:
         seqs.free()
 
 
+FORWARD_CURVE_TOKENS = (1, 8, 32, 128, 512)
+
+
+def measure_forward_curve(
+    runner, tokens: Sequence[int] = FORWARD_CURVE_TOKENS, reps: int = 2, seed: int = 0
+) -> tuple[list[float], list[float]]:
+    """Forward latency against the tokens one forward carries (the engine's latency
+    model, `engine.latency_curve`): a chain of N new tokens over 256 tokens of context,
+    with logits for every row up to 32 (trees) and for the last row beyond (prefill
+    chunks skip the LM head). Leaves no sequence behind."""
+    from adaserve.model.runner import SeqInput
+
+    rng = np.random.default_rng(seed)
+    points = [t for t in tokens if 256 + t < runner.max_model_len] or [1]
+    seqs = _Seqs(runner, "__curve", 256 * MAX_SEQS, rng)
+    ms = []
+    try:
+        for n in points:
+            sid = seqs.ids[0]
+
+            def once(n: int = n, sid: str = sid) -> None:
+                toks = rng.integers(0, runner.vocab_size, size=n, dtype=np.int32)
+                rows = list(range(n)) if n <= 32 else [n - 1]
+                runner.forward([SeqInput.chain(sid, toks)], logits_indices=rows)
+                _sync(runner)
+                runner.commit(sid, [])
+
+            ms.append(_median_ms(once, reps))
+    finally:
+        seqs.free()
+    return [float(t) for t in points], ms
+
+
 def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
     limit = runner.max_model_len - max(grid.tokens) - 1
     contexts = [c for c in grid.contexts if c // MAX_SEQS <= limit] or [0]

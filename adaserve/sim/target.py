@@ -1,8 +1,9 @@
 """The modelled target: verification latency from the profile, acceptance from the model.
 
-Implements the engine's `TargetModel` interface. `verify` advances the virtual clock by
-the profile's verify latency for the batch's tree tokens and cached context (times the
-profile's speed factor at the clock's time when it starts), then walks
+Implements the engine's `TargetModel` interface. `forward` advances the virtual clock by
+the profile's latency for one forward over the batch's tree tokens (with their cached
+context) and prefill chunk tokens (`HardwareProfile.forward_ms`, times the profile's
+speed factor at the clock's time when it starts), then walks
 every tree: at an accepted node the target picks child c with probability g(q_c) (the
 calibration; siblings exclusive) or none of them, so a node is accepted with
 probability prod g(q) along its path (= f(v) when g(q) = q). The bonus token is a
@@ -16,11 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.request import SamplingParams
 from adaserve.sim.acceptance import Calibration
 from adaserve.sim.clock import VirtualClock
 from adaserve.sim.costmodel import HardwareProfile
-from adaserve.target import VerifyItem
+from adaserve.target import ForwardResult, PrefillChunk, VerifyItem
 from adaserve.verify import VerifyResult
 
 
@@ -38,10 +38,12 @@ class TargetStats:
     drafted_steps: int = 0
     drafted_emitted: int = 0
     prefill_tokens: int = 0
-    # per iteration: (batch size, tree tokens verified)
+    mixed_iterations: int = 0  # forwards carrying both trees and prefill chunks
+    # per iteration with trees: (batch size, tree tokens verified)
     batches: list[tuple[int, int]] = field(default_factory=list)
-    # (simulated start time s, ms charged) of every verify (one per iteration) and
-    # prefill: phase time per window of simulated time (driver.phase_windows)
+    # (simulated start time s, ms charged) of every forward: those carrying trees
+    # (prefill chunks riding along included) and those carrying prompt chunks alone:
+    # phase time per window of simulated time (driver.phase_windows)
     verify_log: list[tuple[float, float]] = field(default_factory=list)
     prefill_log: list[tuple[float, float]] = field(default_factory=list)
 
@@ -77,32 +79,34 @@ class SimTarget:
 
     # ---- TargetModel ------------------------------------------------------------------
 
-    def prefill(
-        self, items: Sequence[tuple[str, Sequence[int], SamplingParams, object]]
-    ) -> list[int]:
-        tokens = 0
-        for seq_id, prompt, *_ in items:
-            self._ctx[seq_id] = len(prompt)
-            self._ctx_total += len(prompt)
-            tokens += len(prompt)
+    def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
+        tree_tokens = sum(len(it.tree) for it in trees)
+        prefill_tokens = sum(len(c.tokens) for c in chunks)
+        context = sum(self._ctx.get(it.seq_id, 0) for it in trees)
         start = self.clock.now
-        ms = self.profile.prefill_ms(tokens, start)
+        ms = self.profile.forward_ms(tree_tokens, prefill_tokens, context, start)
         self.clock.advance_ms(ms)
-        self.stats.prefill_log.append((start, ms))
-        self.stats.prefill_tokens += tokens
-        return self.rng.integers(1, self.vocab_size, size=len(items)).tolist()
+        verified = self._verify(trees) if trees else []
+        first: list[int | None] = []
+        for c in chunks:
+            self._ctx[c.seq_id] = self._ctx.get(c.seq_id, 0) + len(c.tokens)
+            self._ctx_total += len(c.tokens)
+            first.append(int(self.rng.integers(1, self.vocab_size)) if c.last else None)
+        st = self.stats
+        st.prefill_tokens += prefill_tokens
+        if trees:
+            st.verify_log.append((start, ms))
+            st.batches.append((len(trees), tree_tokens))
+        else:
+            st.prefill_log.append((start, ms))
+        if trees and chunks:
+            st.mixed_iterations += 1
+        return ForwardResult(verified, first)
 
-    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
-        if not items:
-            return []
+    def _verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
         trees = [it.tree for it in items]
         sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
         tree_tokens = int(sizes.sum())
-        context = sum(self._ctx.get(it.seq_id, 0) for it in items)
-        start = self.clock.now
-        ms = self.profile.verify_ms(tree_tokens, context, start)
-        self.clock.advance_ms(ms)
-
         accepted = self._walk(trees, sizes)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         bonus = self.rng.integers(1, self.vocab_size, size=len(items), dtype=np.int32)
@@ -129,8 +133,6 @@ class SimTarget:
         st.iterations += 1
         st.request_steps += len(items)
         st.drafted_verified += tree_tokens - len(items)
-        st.verify_log.append((start, ms))
-        st.batches.append((len(items), tree_tokens))
         return results
 
     def free(self, seq_id: str) -> None:

@@ -156,7 +156,8 @@ class Workload(BaseModel):
             raise ValueError(f"urgent class {urgent!r} is not in the workload")
         c = self.classes[urgent]
         classes = dict(self.classes)
-        classes[urgent] = c.model_copy(update={"slo": SLOClass(baseline_scale=scale)})
+        slo = SLOClass(baseline_scale=scale, ttft_ms=c.slo.ttft_ms)
+        classes[urgent] = c.model_copy(update={"slo": slo})
         return self.model_copy(update={"classes": classes})
 
     # ---- trace generation -----------------------------------------------------------
@@ -181,7 +182,11 @@ class Workload(BaseModel):
             outputs = c.output_tokens.sample(len(idx), rng)
             slo = c.slo.resolve_ms(baseline_tpot_ms)
             for i, p, o in zip(idx, prompts, outputs, strict=True):
-                out.append(SimRequest(f"r{i:06d}", float(times[i]), name, int(p), int(o), slo))
+                out.append(
+                    SimRequest(
+                        f"r{i:06d}", float(times[i]), name, int(p), int(o), slo, c.slo.ttft_ms
+                    )
+                )
         out.sort(key=lambda r: (r.arrival_s, r.id))
         return out
 
@@ -212,6 +217,7 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     tpot_slo_ms: float
+    ttft_slo_ms: float | None = None
 
 
 def _piecewise(wl: Workload, rps, duration_s, names, weights, rng):

@@ -1,0 +1,79 @@
+"""How long one target forward takes: the latency model batch formation spends time with.
+
+The shape comes from a piecewise-linear curve of forward latency against the tokens it
+carries (measured at startup, read off a hardware profile, or a knee-shaped prior from
+the settings); a drift factor learned from every measured forward scales it, so the
+model follows a host whose speed changes under it (other processes, thermal limits).
+The factor is an exponentially weighted mean in log space: one forward twice as slow
+as predicted moves it by a fixed fraction of a doubling, whatever the scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear through (xs, ys): clamped below the first point, continuing the
+    last segment beyond the last (a forward twice as large costs about twice as much;
+    a falling last segment, noise in a measured table, is held flat)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return float(ys[0])
+    if x >= xs[-1]:
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        return float(ys[-1] + slope * (x - xs[-1]))
+    return float(np.interp(x, xs, ys))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Forward latency in ms against the number of new tokens it carries."""
+
+    tokens: tuple[float, ...]
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.ms):
+            raise ValueError("latency curve: tokens and ms must be non-empty and equal length")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:], strict=False)):
+            raise ValueError(f"latency curve: tokens must increase, got {self.tokens}")
+        if any(not (m >= 0 and math.isfinite(m)) for m in self.ms):
+            raise ValueError("latency curve: ms must be finite and >= 0")
+
+    def __call__(self, tree_tokens: int, prefill_tokens: int) -> float:
+        return interp(float(tree_tokens + prefill_tokens), self.tokens, self.ms)
+
+    @staticmethod
+    def knee(step_ms: float, budget: int) -> Curve:
+        """The prior without a measurement: a forward costs `step_ms` up to the knee
+        budget B and grows linearly past it (B is defined as where the verify curve
+        starts to rise)."""
+        b = float(max(budget, 1))
+        return Curve((1.0, b, 2.0 * b), (step_ms, step_ms, 2.0 * step_ms))
+
+
+@dataclass
+class ForwardLatency:
+    """Predicted ms of a forward over (tree tokens, prefill tokens): `base` times the
+    learned drift."""
+
+    base: Callable[[int, int], float]
+    alpha: float = 0.3  # weight of each new observation in the log-space mean
+    _log_drift: float = field(default=0.0, repr=False)
+
+    @property
+    def drift(self) -> float:
+        return math.exp(self._log_drift)
+
+    def predict_ms(self, tree_tokens: int, prefill_tokens: int = 0) -> float:
+        return self.base(tree_tokens, prefill_tokens) * self.drift
+
+    def observe(self, tree_tokens: int, prefill_tokens: int, ms: float) -> None:
+        expected = self.base(tree_tokens, prefill_tokens)
+        if expected > 0 and ms > 0 and math.isfinite(ms):
+            ratio = math.log(ms / expected)
+            self._log_drift += self.alpha * (ratio - self._log_drift)
