@@ -21,7 +21,7 @@ from adaserve.sim.acceptance import (
     load_trace,
 )
 from adaserve.sim.clock import VirtualClock
-from adaserve.sim.costmodel import Curve, HardwareProfile, Surface, load_profile
+from adaserve.sim.costmodel import Curve, HardwareProfile, MixedTable, Surface, load_profile
 from adaserve.sim.drafter import SimDrafter
 from adaserve.sim.target import SimTarget
 from adaserve.sim.workload import LengthDist, Workload
@@ -365,3 +365,36 @@ def test_drafter_stop_prob_cuts_trees_and_their_draft_time():
         assert k == 5 or pf[depth == k].max() < 0.3
         layers.append(k)
     assert min(layers) < 5 and t_cut < t_full
+
+
+def test_a_mixed_forward_is_charged_once_for_trees_and_chunks():
+    """The unified iteration's cost: one forward for tree tokens beside prefill chunks:
+    the measured mixed table where the profile has one (plus the trees' context cost),
+    else the verify surface continued along the prefill curve; a pure verify or pure
+    prefill forward costs what its own table says."""
+    prof = load_profile(LLAMA)
+    assert prof.forward_ms(8, 0, 1000) == prof.verify_ms(8, 1000)
+    assert prof.forward_ms(0, 300, 0) == prof.prefill_ms(300)
+    top = prof.verify.tokens[-1]
+    derived = prof.verify(top, 1000) + prof.prefill(top + 400) - prof.prefill(top)
+    assert prof.forward_ms(8, int(top) + 392, 1000) == pytest.approx(
+        derived + prof.iteration_overhead_ms
+    )
+    small = prof.forward_ms(8, 8, 1000)  # within the verify table: a 16-token verify
+    assert small == pytest.approx(prof.verify_ms(16, 1000))
+    mixed = prof.model_copy(
+        update={"mixed": MixedTable(tree=[1, 16], prefill=[16, 512], ms=[[30, 80], [35, 90]])}
+    )
+    ctx = mixed.verify(16, 1000) - mixed.verify(16, 0)
+    assert mixed.forward_ms(16, 512, 1000) == pytest.approx(90 + ctx + prof.iteration_overhead_ms)
+    # ... and SimTarget charges exactly that for one forward
+    clock = VirtualClock()
+    t = SimTarget(mixed, clock, CalibratedAcceptance(), np.random.default_rng(0))
+    t.forward([], [prompt("a", 100)])
+    before = clock.now
+    tree = CandidateTree.chain([5, 6], [0.0, -0.1])
+    chunk = PrefillChunk("b", np.ones(40, dtype=np.int32), 0, False, SamplingParams(), None)
+    res = t.forward([VerifyItem("a", tree, SamplingParams(max_tokens=9), None, 9)], [chunk])
+    assert res.first_tokens == [None] and len(res.verified) == 1
+    assert (clock.now - before) * 1000 == pytest.approx(mixed.forward_ms(2, 40, 100))
+    assert t.stats.mixed_iterations == 1

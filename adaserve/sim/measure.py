@@ -5,7 +5,10 @@ Times the model runners directly (median of `reps` after a warm-up):
 - verify: one target forward of T tree tokens spread over up to 8 sequences whose
   committed context sums to C (scratch dropped after each forward);
 - draft step: one drafter forward of n*w single-token frontier nodes, all logits;
-- prefill: one target forward of a P-token prompt, last row's logits only.
+- prefill: one target forward of a P-token prompt, last row's logits only;
+- mixed: one target forward carrying T tree tokens (over 512 tokens of context, all
+  logits) beside a P-token prompt chunk (last row's logits), as the engine's unified
+  iteration runs them.
 
 The budget is the knee of the verify curve, taken as the largest measured token count
 whose forward costs at most twice a single-token one.
@@ -25,6 +28,7 @@ from adaserve.sim.costmodel import (
     BASELINE_CONTEXT,
     Curve,
     HardwareProfile,
+    MixedTable,
     Surface,
 )
 
@@ -37,6 +41,8 @@ class ProfileGrid:
     contexts: tuple[int, ...] = (0, 512, 2048)
     draft_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_tokens: tuple[int, ...] = (16, 64, 256, 512, 1024)
+    mixed_tree: tuple[int, ...] = (1, 4, 16)
+    mixed_prefill: tuple[int, ...] = (16, 64, 256, 512)
     reps: int = 3
 
 
@@ -193,6 +199,42 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
     return Curve(tokens=[float(p) for p in points], ms=ms)
 
 
+def measure_mixed(runner, grid: ProfileGrid, rng, log=print) -> MixedTable:
+    from adaserve.model.runner import SeqInput
+
+    seqs = _Seqs(runner, "m-", 512, rng)
+    points = [p for p in grid.mixed_prefill if p < runner.max_model_len] or [1]
+    rows = []
+    for t in grid.mixed_tree:
+        row = []
+        for p in points:
+
+            def once(t: int = t, p: int = p) -> None:
+                k = min(t, MAX_SEQS)
+                sizes = [t // k + (1 if i < t % k else 0) for i in range(k)]
+                inputs = [
+                    SeqInput.chain(sid, rng.integers(0, runner.vocab_size, m, dtype=np.int32))
+                    for sid, m in zip(seqs.ids, sizes, strict=False)
+                ]
+                runner.add_sequence("mixed-prompt")
+                prompt = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
+                inputs.append(SeqInput.chain("mixed-prompt", prompt))
+                runner.forward(inputs, logits_indices=[*range(t), t + p - 1])
+                _sync(runner)
+                for sid in seqs.ids[:k]:
+                    runner.commit(sid, [])
+                runner.free("mixed-prompt")
+
+            ms = _median_ms(once, grid.reps)
+            row.append(ms)
+            log(f"mixed   tree={t:<5} prefill={p:<6} {ms:8.2f} ms")
+        rows.append(row)
+    seqs.free()
+    return MixedTable(
+        tree=[float(t) for t in grid.mixed_tree], prefill=[float(p) for p in points], ms=rows
+    )
+
+
 def knee_budget(verify: Surface) -> int:
     """Largest measured token count costing at most twice a single-token forward."""
     base = verify(verify.tokens[0], verify.context[0])
@@ -222,6 +264,7 @@ def measure_profile(
         else Curve(tokens=[1.0], ms=[0.0])
     )
     prefill = measure_prefill(target, grid, rng, log)
+    mixed = measure_mixed(target, grid, rng, log)
     cache = getattr(target, "cache", None)
     capacity = None
     if cache is not None:
@@ -234,6 +277,7 @@ def measure_profile(
         verify=verify,
         draft_step=draft,
         prefill=prefill,
+        mixed=mixed,
         kv_capacity_tokens=capacity or 500_000,
         max_model_len=int(target.max_model_len),
         vocab_size=int(target.vocab_size),
