@@ -27,6 +27,7 @@ from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from tests._serving import (
     IM_END,
+    TEST_CONFIG,
     Proc,
     free_port,
     greedy_reference,
@@ -81,7 +82,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     target = make_served_model(root / "target", seed=0)
     drafter = make_served_model(root / "drafter", seed=1)
     metrics_port = free_port()
-    vproc, vaddr = start_verifier(root, target, drafter, metrics_port=metrics_port)
+    # The default classes, two of them with a TTFT SLO too.
+    config = TEST_CONFIG + (
+        "  classes:\n"
+        "    coding: {baseline_scale: 1.2, ttft_ms: 800}\n"
+        "    chat: {tpot_ms: 50}\n"
+        "    summarize: {tpot_ms: 150, ttft_ms: 20000}\n"
+    )
+    vproc, vaddr = start_verifier(root, target, drafter, config, metrics_port=metrics_port)
     gport = free_port()
     cfg = root / "gateway.yaml"
     cfg.write_text("gateway:\n  health_interval_s: 0.5\n")
@@ -304,6 +312,52 @@ def test_mixed_slo_batch_completes_concurrently(stack: Stack) -> None:
     metrics = httpx.get(f"{stack.url}/metrics").text
     for cls in ("coding", "chat", "summarize", "custom"):
         assert f'adaserve_gateway_slo_requests_total{{slo_class="{cls}"}}' in metrics
+
+
+def test_ttft_slo_from_body_header_and_class(stack: Stack) -> None:
+    """A TTFT SLO comes from the body field, else the x-slo-ttft-ms header, else the
+    class's own; the response's slo object reports it (streamed: on the last chunk),
+    and the output is the target's own."""
+    cases = [
+        ({"extra_body": {"ttft_slo_ms": 1234.5}}, 1234.5),
+        ({"extra_headers": {"x-slo-ttft-ms": "2500"}}, 2500.0),
+        ({"extra_body": {"slo_class": "coding"}}, 800.0),
+        ({"extra_body": {"slo_class": "coding", "ttft_slo_ms": 99.0}}, 99.0),
+        ({"extra_body": {"tpot_slo_ms": 70.0}}, None),
+        ({}, None),  # the default class, chat, has none
+    ]
+    client = stack.client()
+    ids = stack.tokenizer.encode("Time to first token:")
+    ref = stack.text(greedy_reference_ignoring_eos(stack, ids, 8))
+    for kw, want in cases:
+        extra_body = {"ignore_eos": True, **kw.get("extra_body", {})}
+        headers = kw.get("extra_headers")
+        out = client.completions.create(
+            model="tiny",
+            prompt="Time to first token:",
+            max_tokens=8,
+            temperature=0,
+            extra_body=extra_body,
+            extra_headers=headers,
+        )
+        assert out.choices[0].text == ref
+        assert (out.model_extra or {})["slo"]["ttft_slo_ms"] == want, kw
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt="Time to first token:",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                extra_body=extra_body,
+                extra_headers=headers,
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+        last = [c for c in chunks if (c.model_extra or {}).get("slo")][-1]
+        assert last.model_extra["slo"]["ttft_slo_ms"] == want, kw
+    metrics = httpx.get(stack.verifier_metrics).text
+    assert 'adaserve_engine_ttft_slo_total{outcome="attained",slo_class="coding"}' in metrics
 
 
 def _batched_iterations(stack: Stack) -> float:
