@@ -206,6 +206,9 @@ class Engine:
             )
         self.latency = latency
         self._draft_ms = 0.0  # EWMA of a drafting iteration's speculate phase
+        # EWMA of the drafter's time per prompt token it ingests beside the target's
+        # prefill: part of what a prefill token costs the iteration.
+        self._ingest_ms = 0.0
 
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -385,7 +388,7 @@ class Engine:
                 for r in prefilling
             ],
             limits,
-            self.latency.predict_ms,
+            self._iteration_ms,
             self._draft_ms if drafted else 0.0,
             now * 1000.0,
         )
@@ -397,6 +400,12 @@ class Engine:
             chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator)
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
+
+    def _iteration_ms(self, tree_tokens: int, prefill_tokens: int) -> float:
+        """Predicted forward latency, plus the drafter's ingestion of the chunks."""
+        return self.latency.predict_ms(tree_tokens, prefill_tokens) + (
+            prefill_tokens * self._ingest_ms
+        )
 
     def _plan(self, batch: list[_Request], prefilling: int) -> tuple[list[_Request], int, int]:
         """(requests to draft for, depth, width). d and w are a pure function of n and
@@ -755,8 +764,13 @@ class Engine:
         tokens = sum(len(t) for t in selected)
         prefill = step.batch.prefill_tokens
         self.latency.observe(tokens, prefill, (t3 - t2) * 1000.0)
-        if step.depth > 0 and step.drafted:
-            self._draft_ms += 0.3 * ((t1 - t0) * 1000.0 - self._draft_ms)
+        speculate_ms = (t1 - t0) * 1000.0
+        drafting = step.depth > 0 and bool(step.drafted)
+        if prefill and self.drafter is not None and self.drafter.ok:
+            ingest = max(speculate_ms - (self._draft_ms if drafting else 0.0), 0.0) / prefill
+            self._ingest_ms += 0.3 * (ingest - self._ingest_ms)
+        elif drafting:
+            self._draft_ms += 0.3 * (speculate_ms - self._draft_ms)
         if prefill:
             metrics.prefill_tokens_total.inc(prefill)
         if not step.decoding:  # a forward of prompt chunks alone
