@@ -38,7 +38,10 @@ class SLOClass(BaseModel):
         return self
 
     def resolve_ms(self, baseline_tpot_ms: float) -> float:
-        return self.tpot_ms if self.tpot_ms is not None else self.baseline_scale * baseline_tpot_ms
+        if self.tpot_ms is not None:
+            return self.tpot_ms
+        assert self.baseline_scale is not None  # _one_of: exactly one of the two is set
+        return self.baseline_scale * baseline_tpot_ms
 
 
 def _default_classes() -> dict[str, SLOClass]:

@@ -117,7 +117,7 @@ class DraftStepGraphs:
     def __call__(self, inputs: Mapping[str, torch.Tensor], n: int, width: int) -> torch.Tensor:
         key = self.shape_for(n, width)
         entry = self._graphs.get(key) if self.enabled and key is not None else None
-        if entry is None or not _fits(entry[1], inputs, n, width, key[0]):
+        if key is None or entry is None or not _fits(entry[1], inputs, n, width, key[0]):
             return self.step_fn(inputs)  # eager: CPU, unknown shape, or n above the buckets
         graph, static, out = entry
         for k, v in pad_inputs(inputs, n, width, key[0], self.fills).items():

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -30,8 +31,9 @@ from adaserve import metrics
 from adaserve.adaptive import AcceptanceEstimate, plan_depth_width, slack_plan
 from adaserve.checks import check_selection, check_trees
 from adaserve.config import AdaptiveSettings, Settings
-from adaserve.detokenize import IncrementalDetokenizer
+from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.request import GenerationRequest, TokenDelta
+from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, SelectionParams
 from adaserve.slo import required_accepted
@@ -117,7 +119,7 @@ class _Request:
     arrival: float
     tokens: list[int]  # prompt + generated, all committed
     detok: IncrementalDetokenizer | None
-    generator: object | None
+    generator: TokenRng | None
     best_effort: bool = False
     first_token_t: float | None = None
     last_token_t: float | None = None
@@ -163,6 +165,13 @@ def _bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+# What other threads hand the loop: a submission (with its arrival time) or an abort.
+_InboxItem = (
+    tuple[Literal["submit"], tuple[GenerationRequest, RequestStream, float]]
+    | tuple[Literal["abort"], str]
+)
+
+
 class Engine:
     def __init__(
         self,
@@ -170,7 +179,7 @@ class Engine:
         drafter: Drafter | None,
         scheduler: Scheduler,
         settings: Settings,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "adaserve",
     ) -> None:
@@ -178,6 +187,7 @@ class Engine:
             raise ValueError(
                 "slo.baseline_tpot_ms 'auto' must be measured first (build_engine does)"
             )
+        self.baseline_tpot_ms: float = settings.slo.baseline_tpot_ms  # measured: not "auto"
         self.target = target
         self.drafter = drafter if settings.engine.speculation else None
         self.scheduler = scheduler
@@ -193,11 +203,9 @@ class Engine:
         self.max_model_len = min(
             target.max_model_len, settings.engine.max_model_len or target.max_model_len
         )
-        self.tspec = _TSpecPredictor(
-            settings.slo.baseline_tpot_ms, settings.scheduler.correction_factor
-        )
+        self.tspec = _TSpecPredictor(self.baseline_tpot_ms, settings.scheduler.correction_factor)
 
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
@@ -261,7 +269,7 @@ class Engine:
             model=self.model_name,
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.target.eos_token_ids),
-            baseline_tpot_ms=self.settings.slo.baseline_tpot_ms,
+            baseline_tpot_ms=self.baseline_tpot_ms,
             speculative=self.drafter is not None,
         )
 
@@ -411,7 +419,8 @@ class Engine:
         """Trees for `batch`: beam-searched for the requests in `drafted`, root-only for
         the rest (the drafter catches up on their tokens the next time it sees them)."""
         roots = [CandidateTree.root_only(r.tokens[-1]) for r in batch]
-        if not drafted or depth == 0:
+        drafter = self.drafter
+        if drafter is None or not drafted or depth == 0:
             return roots
         now = self.clock()
         if not self._drafter_healthy and now < self._drafter_retry_at:
@@ -424,7 +433,7 @@ class Engine:
         stop = self.settings.scheduler.adaptive.draft_stop_prob or 0.0
         try:
             try:
-                trees = self.drafter.speculate(updates, depth, width, stop)
+                trees = drafter.speculate(updates, depth, width, stop)
             except DrafterStateLost as lost:
                 # Re-sync those requests from their full history; the rest are unchanged.
                 metrics.drafter_resyncs_total.inc(len(lost.ids))
@@ -435,7 +444,7 @@ class Engine:
                     else u
                     for u, r in zip(updates, drafted, strict=True)
                 ]
-                trees = self.drafter.speculate(updates, depth, width, stop)
+                trees = drafter.speculate(updates, depth, width, stop)
             # As with selections: another process's trees are checked, our own beam
             # search's are not re-validated on the hot path (select() validates the
             # structure of whatever it is given anyway).
@@ -522,7 +531,7 @@ class Engine:
                 text += r.detok.flush()
         ttft = (
             (r.first_token_t - r.arrival) * 1000.0
-            if r.num_generated == len(kept) and kept
+            if r.first_token_t is not None and r.num_generated == len(kept) and kept
             else None
         )
         r.stream.put(
@@ -563,14 +572,14 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                req, stream, arrival = payload
+            if item[0] == "submit":
+                req, stream, arrival = item[1]
                 self._waiting.append(self._new_request(req, stream, arrival))
-            elif kind == "abort":
-                self._abort(payload)
+            else:
+                self._abort(item[1])
 
     def _new_request(
         self, req: GenerationRequest, stream: RequestStream, arrival: float

@@ -61,11 +61,11 @@ def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter
         return GrpcDrafter(
             settings.services.drafter, timeout_s=settings.engine.speculation_timeout_ms / 1000.0
         )
-    if not settings.model.drafter or settings.model.drafter == "none":
+    ms = settings.model
+    if not ms.drafter or ms.drafter == "none":
         return None
     from adaserve.model.loader import load_runner, resolve_model
 
-    ms = settings.model
     runner = load_runner(
         resolve_model(ms.drafter, role="drafter"),
         device=ms.device,
@@ -94,7 +94,7 @@ def build_scheduler(settings: Settings) -> Scheduler:
 
 
 def eos_token_ids(tokenizer, runner) -> tuple[int, ...]:
-    ids = set(getattr(runner.config, "eos_token_ids", ()) or ())
+    ids: set[int] = set(getattr(runner.config, "eos_token_ids", ()) or ())
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))

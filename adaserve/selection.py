@@ -33,6 +33,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -81,7 +82,13 @@ class ProgressBatch(Sequence[RequestProgress]):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, k):  # type: ignore[override]
+    @overload
+    def __getitem__(self, k: int) -> RequestProgress: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[RequestProgress]: ...
+
+    def __getitem__(self, k: int | slice) -> RequestProgress | list[RequestProgress]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         return RequestProgress(

@@ -145,8 +145,10 @@ class _Step:
     def forward(self, slot: int | None = None) -> tuple[torch.Tensor, ...]:
         if self.cache.slot is not None:
             m = self.valid[:, None, None, :]
-        else:
+        elif slot is not None:
             m = self.valid[:, None, None, : slot + 1]
+        else:
+            raise ValueError("an eager step (no static cache slot) needs its slot")
         hidden = self.model(self.tok[:, None], self.pos[:, None], m, self.cache)[:, -1]
         return _labels(self.model, hidden, self.topk)
 

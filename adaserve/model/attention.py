@@ -40,6 +40,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Write kv_new [T, 2, kv_heads, D] (k | v) at the new nodes' slots, then attend
         q [T, heads, D]; returns [T, heads * D] in packed token order."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class FlashInferBackend:
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         try:
-            import flashinfer
+            import flashinfer  # pyright: ignore[reportMissingImports] - the optional gpu extra
         except ImportError as exc:
             raise ImportError(
                 "attention backend 'flashinfer' needs the optional extra: "

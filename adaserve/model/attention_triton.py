@@ -123,13 +123,14 @@ def reference_from_arrays(
 # ---- the kernel (defined only where triton imports) ----------------------------------
 
 try:  # triton is optional: CPU installs do not have it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    triton = None
-    tl = None
+    import triton  # pyright: ignore[reportMissingImports] - an optional GPU dependency
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 
-if triton is not None:
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
 
     @triton.jit
     def _tree_attn_kernel(
@@ -292,7 +293,7 @@ class TritonBackend:
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
     ) -> None:
-        if triton is None:
+        if not HAVE_TRITON:
             raise ImportError(
                 "attention backend 'triton' needs the triton package (it ships with CUDA "
                 "builds of PyTorch)"
@@ -340,7 +341,9 @@ def tree_attention(
         raise ValueError("tree_attention: the head dimension must be contiguous")
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
     grid = (meta.prog_seq.shape[0], k_cache.shape[1])
-    _tree_attn_kernel[grid](
+    # triton.jit makes a subscriptable JITFunction; without triton installed the checker
+    # sees the plain function.
+    _tree_attn_kernel[grid](  # pyright: ignore[reportIndexIssue]
         q,
         k_cache,
         v_cache,
