@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaserve.model.attention import TreeBatch
+from adaserve.model.attention import AttentionBatch
 from adaserve.model.kv_cache import KVStorage
 
 BLOCK_N = 64  # keys per inner-loop tile
@@ -61,8 +61,8 @@ def prefix_length(visible: np.ndarray) -> int:
     return int(visible.shape[1] if cols.all() else np.argmin(cols))
 
 
-def build_arrays(batch: TreeBatch, group: int, block_m: int) -> TreeArrays:
-    """Turn a backend-neutral `TreeBatch` into the kernel's arrays."""
+def build_arrays(batch: AttentionBatch, group: int, block_m: int) -> TreeArrays:
+    """Turn a backend-neutral `AttentionBatch` into the kernel's arrays."""
     b = len(batch.query_lens)
     q_len = np.asarray(batch.query_lens, dtype=np.int32)
     kv_len = np.asarray([len(s) for s in batch.kv_slots], dtype=np.int32)
@@ -75,7 +75,7 @@ def build_arrays(batch: TreeBatch, group: int, block_m: int) -> TreeArrays:
     for i, (k, s, vis) in enumerate(zip(q_len, batch.kv_slots, batch.visible, strict=True)):
         if vis.shape != (k, len(s)):
             raise ValueError(
-                f"TreeBatch: sequence {i} visibility is {vis.shape}, expected {(int(k), len(s))}"
+                f"AttentionBatch: sequence {i} visibility is {vis.shape}, expected {(int(k), len(s))}"
             )
         slots[i, : len(s)] = s
         mask[i, :k, : len(s) - prefix[i]] = vis[:, prefix[i] :]
@@ -307,7 +307,7 @@ class TritonBackend:
         self.scale = head_dim**-0.5
         self.device = device
 
-    def plan(self, batch: TreeBatch) -> TritonMetadata:
+    def plan(self, batch: AttentionBatch) -> TritonMetadata:
         block_m = pick_block_m(max(batch.query_lens) * self.group)
         arrays = build_arrays(batch, self.group, block_m)
         return TritonMetadata.from_arrays(arrays, block_m, self.device)
