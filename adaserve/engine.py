@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -34,8 +34,8 @@ from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.sampling import TokenRng
-from adaserve.scheduler import LocalScheduler, Scheduler
-from adaserve.selection import RequestProgress, SelectionParams
+from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
+from adaserve.selection import RequestProgress, Selection, SelectionParams
 from adaserve.slo import required_accepted
 from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
 from adaserve.target import TargetModel, VerifyItem
@@ -152,8 +152,11 @@ class _TSpecPredictor:
     _ewma: dict[int, float] = field(default_factory=dict)
 
     def predict_ms(self, num_tokens: int) -> float:
-        bucket = _bucket(num_tokens)
-        return self._ewma.get(bucket, self.initial_ms) * self.correction
+        return self.measured_ms(num_tokens) * self.correction
+
+    def measured_ms(self, num_tokens: int) -> float:
+        """The EWMA itself, before the correction factor (selection_params applies it)."""
+        return self._ewma.get(_bucket(num_tokens), self.initial_ms)
 
     def observe(self, num_tokens: int, ms: float) -> None:
         bucket = _bucket(num_tokens)
@@ -218,6 +221,7 @@ class Engine:
         self._live_lock = threading.Lock()
         self._drafter_healthy = True
         self._scheduler_healthy = True
+        self._optimal_invalid_logged = False
         self._drafter_retry_at = 0.0
         # Retired requests whose draft state is still to be freed: one Release per
         # iteration, and none while the drafter is down (a hung drafter would otherwise
@@ -470,29 +474,39 @@ class Engine:
             return trees
         progress = self._progress(batch)
         sched = self.settings.scheduler
-        budget = max(sched.budget, len(batch))  # every root must fit
-        params = SelectionParams(
-            budget=budget,
-            depth=depth,
-            t_spec_ms=self.tspec.predict_ms(budget),
-            policy=sched.policy if sched.policy != "optimal" else "adaserve",
-            n_max=sched.n_max,
-            order=sched.order,
-        )
+        t_spec_ms = self.tspec.measured_ms(max(sched.budget, len(batch)))
+        params = selection_params(sched, depth, t_spec_ms, len(batch))
         selection = None
         if self._scheduler_healthy:
             try:
                 selection = self.scheduler.select(progress, trees, params)
                 # Answers from another process are checked; our own selection is not
                 # re-validated on the hot path (it is tested against a reference).
-                if not isinstance(self.scheduler, LocalScheduler):
+                if not isinstance(self.scheduler, LocalScheduler) and not selection.invalid:
                     check_selection(selection.selected, trees)
             except Exception as exc:
                 selection = None
                 self._scheduler_failed(exc)
         if selection is None:
             selection = self.local_scheduler.select(progress, trees, params)
+        if selection.invalid:
+            selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
+
+    def _optimal_invalid(
+        self, progress: list[RequestProgress], trees: list[CandidateTree], params: SelectionParams
+    ) -> Selection:
+        """Policy optimal (Algorithm 1) found no allocation that meets every request's
+        A(r) within the budget: this iteration selects with policy adaserve instead."""
+        metrics.optimal_invalid_total.inc()
+        if not self._optimal_invalid_logged:
+            self._optimal_invalid_logged = True
+            log.warning(
+                "policy optimal: no allocation meets every SLO this iteration; selecting "
+                "with policy adaserve where that happens (adaserve_selection_optimal_"
+                "invalid_total counts them)"
+            )
+        return self.local_scheduler.select(progress, trees, replace(params, policy="adaserve"))
 
     def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
