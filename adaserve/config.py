@@ -108,9 +108,10 @@ class AdaptiveSettings(BaseModel):
 
 class SchedulerSettings(BaseModel):
     budget: PositiveInt = 16  # verifier tokens per iteration (knee of the latency curve)
-    # optimal: Algorithm 1; the engine selects with adaserve in an iteration where it is
+    # paper: Algorithm 2 exactly; adaserve: with triage and a marginal-value stop
+    # (docs/ARCHITECTURE.md). optimal: Algorithm 1; the engine selects with adaserve in an iteration where it is
     # INVALID (counted in adaserve_selection_optimal_invalid_total).
-    policy: Literal["adaserve", "equal", "global", "optimal"] = "adaserve"
+    policy: Literal["adaserve", "paper", "equal", "global", "optimal"] = "adaserve"
     order: Literal["descending_a", "ascending_a"] = "descending_a"
     n_max: PositiveInt | None = None  # None -> ceil(1.2 * budget / n)
     correction_factor: PositiveFloat = 1.05  # inflates predicted t_spec (FlexFlow Serve)

@@ -35,6 +35,7 @@ F32 = np.dtype("<f4")
 
 _POLICY_TO_PB = {
     "adaserve": scheduler_pb2.SELECTION_POLICY_ADASERVE,
+    "paper": scheduler_pb2.SELECTION_POLICY_PAPER,
     "equal": scheduler_pb2.SELECTION_POLICY_EQUAL,
     "global": scheduler_pb2.SELECTION_POLICY_GLOBAL,
     "optimal": scheduler_pb2.SELECTION_POLICY_OPTIMAL,
