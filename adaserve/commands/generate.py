@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaserve.engine_build import build_engine
+    from services.verifier.wiring import build_engine
 
     overrides: dict = {
         "model": {
