@@ -22,7 +22,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 
@@ -30,10 +31,11 @@ from adaserve import metrics
 from adaserve.adaptive import AcceptanceEstimate, plan_depth_width, slack_plan
 from adaserve.checks import check_selection, check_trees
 from adaserve.config import AdaptiveSettings, Settings
-from adaserve.detokenize import IncrementalDetokenizer
+from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.request import GenerationRequest, TokenDelta
-from adaserve.scheduler import LocalScheduler, Scheduler
-from adaserve.selection import RequestProgress, SelectionParams
+from adaserve.sampling import TokenRng
+from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
+from adaserve.selection import RequestProgress, Selection, SelectionParams
 from adaserve.slo import required_accepted
 from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
 from adaserve.target import TargetModel, VerifyItem
@@ -117,7 +119,7 @@ class _Request:
     arrival: float
     tokens: list[int]  # prompt + generated, all committed
     detok: IncrementalDetokenizer | None
-    generator: object | None
+    generator: TokenRng | None
     best_effort: bool = False
     first_token_t: float | None = None
     last_token_t: float | None = None
@@ -150,8 +152,11 @@ class _TSpecPredictor:
     _ewma: dict[int, float] = field(default_factory=dict)
 
     def predict_ms(self, num_tokens: int) -> float:
-        bucket = _bucket(num_tokens)
-        return self._ewma.get(bucket, self.initial_ms) * self.correction
+        return self.measured_ms(num_tokens) * self.correction
+
+    def measured_ms(self, num_tokens: int) -> float:
+        """The EWMA itself, before the correction factor (selection_params applies it)."""
+        return self._ewma.get(_bucket(num_tokens), self.initial_ms)
 
     def observe(self, num_tokens: int, ms: float) -> None:
         bucket = _bucket(num_tokens)
@@ -163,6 +168,13 @@ def _bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+# What other threads hand the loop: a submission (with its arrival time) or an abort.
+_InboxItem = (
+    tuple[Literal["submit"], tuple[GenerationRequest, RequestStream, float]]
+    | tuple[Literal["abort"], str]
+)
+
+
 class Engine:
     def __init__(
         self,
@@ -170,7 +182,7 @@ class Engine:
         drafter: Drafter | None,
         scheduler: Scheduler,
         settings: Settings,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "adaserve",
     ) -> None:
@@ -178,6 +190,7 @@ class Engine:
             raise ValueError(
                 "slo.baseline_tpot_ms 'auto' must be measured first (build_engine does)"
             )
+        self.baseline_tpot_ms: float = settings.slo.baseline_tpot_ms  # measured: not "auto"
         self.target = target
         self.drafter = drafter if settings.engine.speculation else None
         self.scheduler = scheduler
@@ -193,11 +206,9 @@ class Engine:
         self.max_model_len = min(
             target.max_model_len, settings.engine.max_model_len or target.max_model_len
         )
-        self.tspec = _TSpecPredictor(
-            settings.slo.baseline_tpot_ms, settings.scheduler.correction_factor
-        )
+        self.tspec = _TSpecPredictor(self.baseline_tpot_ms, settings.scheduler.correction_factor)
 
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
@@ -210,6 +221,7 @@ class Engine:
         self._live_lock = threading.Lock()
         self._drafter_healthy = True
         self._scheduler_healthy = True
+        self._optimal_invalid_logged = False
         self._drafter_retry_at = 0.0
         # Retired requests whose draft state is still to be freed: one Release per
         # iteration, and none while the drafter is down (a hung drafter would otherwise
@@ -261,7 +273,7 @@ class Engine:
             model=self.model_name,
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.target.eos_token_ids),
-            baseline_tpot_ms=self.settings.slo.baseline_tpot_ms,
+            baseline_tpot_ms=self.baseline_tpot_ms,
             speculative=self.drafter is not None,
         )
 
@@ -411,7 +423,8 @@ class Engine:
         """Trees for `batch`: beam-searched for the requests in `drafted`, root-only for
         the rest (the drafter catches up on their tokens the next time it sees them)."""
         roots = [CandidateTree.root_only(r.tokens[-1]) for r in batch]
-        if not drafted or depth == 0:
+        drafter = self.drafter
+        if drafter is None or not drafted or depth == 0:
             return roots
         now = self.clock()
         if not self._drafter_healthy and now < self._drafter_retry_at:
@@ -424,7 +437,7 @@ class Engine:
         stop = self.settings.scheduler.adaptive.draft_stop_prob or 0.0
         try:
             try:
-                trees = self.drafter.speculate(updates, depth, width, stop)
+                trees = drafter.speculate(updates, depth, width, stop)
             except DrafterStateLost as lost:
                 # Re-sync those requests from their full history; the rest are unchanged.
                 metrics.drafter_resyncs_total.inc(len(lost.ids))
@@ -435,7 +448,7 @@ class Engine:
                     else u
                     for u, r in zip(updates, drafted, strict=True)
                 ]
-                trees = self.drafter.speculate(updates, depth, width, stop)
+                trees = drafter.speculate(updates, depth, width, stop)
             # As with selections: another process's trees are checked, our own beam
             # search's are not re-validated on the hot path (select() validates the
             # structure of whatever it is given anyway).
@@ -461,29 +474,39 @@ class Engine:
             return trees
         progress = self._progress(batch)
         sched = self.settings.scheduler
-        budget = max(sched.budget, len(batch))  # every root must fit
-        params = SelectionParams(
-            budget=budget,
-            depth=depth,
-            t_spec_ms=self.tspec.predict_ms(budget),
-            policy=sched.policy if sched.policy != "optimal" else "adaserve",
-            n_max=sched.n_max,
-            order=sched.order,
-        )
+        t_spec_ms = self.tspec.measured_ms(max(sched.budget, len(batch)))
+        params = selection_params(sched, depth, t_spec_ms, len(batch))
         selection = None
         if self._scheduler_healthy:
             try:
                 selection = self.scheduler.select(progress, trees, params)
                 # Answers from another process are checked; our own selection is not
                 # re-validated on the hot path (it is tested against a reference).
-                if not isinstance(self.scheduler, LocalScheduler):
+                if not isinstance(self.scheduler, LocalScheduler) and not selection.invalid:
                     check_selection(selection.selected, trees)
             except Exception as exc:
                 selection = None
                 self._scheduler_failed(exc)
         if selection is None:
             selection = self.local_scheduler.select(progress, trees, params)
+        if selection.invalid:
+            selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
+
+    def _optimal_invalid(
+        self, progress: list[RequestProgress], trees: list[CandidateTree], params: SelectionParams
+    ) -> Selection:
+        """Policy optimal (Algorithm 1) found no allocation that meets every request's
+        A(r) within the budget: this iteration selects with policy adaserve instead."""
+        metrics.optimal_invalid_total.inc()
+        if not self._optimal_invalid_logged:
+            self._optimal_invalid_logged = True
+            log.warning(
+                "policy optimal: no allocation meets every SLO this iteration; selecting "
+                "with policy adaserve where that happens (adaserve_selection_optimal_"
+                "invalid_total counts them)"
+            )
+        return self.local_scheduler.select(progress, trees, replace(params, policy="adaserve"))
 
     def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
@@ -522,7 +545,7 @@ class Engine:
                 text += r.detok.flush()
         ttft = (
             (r.first_token_t - r.arrival) * 1000.0
-            if r.num_generated == len(kept) and kept
+            if r.first_token_t is not None and r.num_generated == len(kept) and kept
             else None
         )
         r.stream.put(
@@ -563,14 +586,14 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                req, stream, arrival = payload
+            if item[0] == "submit":
+                req, stream, arrival = item[1]
                 self._waiting.append(self._new_request(req, stream, arrival))
-            elif kind == "abort":
-                self._abort(payload)
+            else:
+                self._abort(item[1])
 
     def _new_request(
         self, req: GenerationRequest, stream: RequestStream, arrival: float

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaserve.model.attention import ReferenceBackend, ReferenceMetadata, TreeBatch
+from adaserve.model.attention import AttentionBatch, ReferenceBackend, ReferenceMetadata
 from adaserve.model.cpu_gemm import _threads, kernel
 from adaserve.model.kv_cache import KVStorage
 
@@ -70,7 +70,7 @@ class CpuTreeBackend:
         self.scale = head_dim**-0.5
         self._attend = kernel().adaserve_tree_attention
 
-    def plan(self, batch: TreeBatch) -> CpuTreeMetadata | ReferenceMetadata:
+    def plan(self, batch: AttentionBatch) -> CpuTreeMetadata | ReferenceMetadata:
         t = sum(batch.query_lens)
         if t > MAX_QUERIES:
             return self.reference.plan(batch)

@@ -59,7 +59,7 @@ class SimDrafter:
         if n == 0 or depth < 1:
             return [CandidateTree.root_only(self._last[u.id]) for u in updates]
         if self.expansion is not None:
-            layers = self._static_layers(updates, depth)
+            layers = self._static_layers(updates, depth, self.expansion)
         else:
             layers = self._beam_layers(updates, depth, max(1, width))
         searched = _searched_layers(layers, stop_prob)
@@ -124,10 +124,12 @@ class SimDrafter:
             path = np.take_along_axis(cand, top, axis=1)
         return layers
 
-    def _static_layers(self, updates, depth: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _static_layers(
+        self, updates, depth: int, expansion: tuple[int, ...]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every node of layer l - 1 gets its top expansion[l - 1] tokens as children."""
         n = len(updates)
-        expansion = self.expansion[:depth]
+        expansion = expansion[:depth]
         widths = np.cumprod((1, *expansion[:-1]))  # nodes expanded at each layer
         # Each node's top-e of its top-k_max is its top-e: one draw serves every layer.
         q_all = self._children(updates, int(widths.sum()), max(expansion))
