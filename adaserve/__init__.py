@@ -1,3 +1,5 @@
 """adaserve: multi-SLO LLM serving with SLO-customized speculative decoding."""
 
-__version__ = "0.1.0"
+# The one version: pyproject.toml reads it (dynamic), `adaserve --version` prints it,
+# and CHANGELOG.md's newest release heading names it (tests/test_version.py).
+__version__ = "0.5.0"

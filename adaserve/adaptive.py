@@ -97,7 +97,7 @@ def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
     if s.draft_cost_tokens is None:
         return max(s.d_min, s.d_max)  # no cap (d_min wins where it exceeds d_max)
     d = np.arange(min(s.d_min, 1), max(s.d_min, s.d_max) + 1)
-    rate = n * _chain_tokens(d, s) / _iteration_cost(budget, n, n, d, s)
+    rate = n * _chain_tokens(d, s) / _iteration_cost(budget, n, n, d, s, s.draft_cost_tokens)
     return max(s.d_min, int(d[np.argmax(rate)]))
 
 
@@ -107,11 +107,13 @@ def _chain_tokens(d: np.ndarray, s: AdaptiveSettings) -> np.ndarray:
     return (1.0 - s.acceptance ** (d + 1)) / (1.0 - s.acceptance)
 
 
-def _iteration_cost(budget: int, n: int, k: int, d: np.ndarray, s: AdaptiveSettings) -> np.ndarray:
+def _iteration_cost(
+    budget: int, n: int, k: int, d: np.ndarray, s: AdaptiveSettings, draft_cost: float
+) -> np.ndarray:
     """Token-units of an iteration of n requests, k of them drafted for d steps: the
-    verify forward (B + n roots + k d tree tokens) plus d draft steps of c + c_n k each.
-    Needs s.draft_cost_tokens."""
-    return budget + n + k * d + d * (s.draft_cost_tokens + s.draft_cost_tokens_per_request * k)
+    verify forward (B + n roots + k d tree tokens) plus d draft steps of c + c_n k each
+    (c = draft_cost, the setting draft_cost_tokens, which the callers have checked)."""
+    return budget + n + k * d + d * (draft_cost + s.draft_cost_tokens_per_request * k)
 
 
 def slack_plan(
@@ -135,7 +137,7 @@ def slack_plan(
     if tight.all():
         return none
     d = np.arange(1, max(s.d_max, 1) + 1)
-    stretch = _iteration_cost(budget, n, int(tight.sum()), d, s) / (budget + n)
+    stretch = _iteration_cost(budget, n, int(tight.sum()), d, s, s.draft_cost_tokens) / (budget + n)
     tight_tpot = stretch / _chain_tokens(d, s)
     ok = (t_plain_ms * stretch <= s.slack_margin * slo_ms[~tight].min()) & (tight_tpot < 1.0)
     if not ok.any():

@@ -42,7 +42,10 @@ class SLOClass(BaseModel):
         return self
 
     def resolve_ms(self, baseline_tpot_ms: float) -> float:
-        return self.tpot_ms if self.tpot_ms is not None else self.baseline_scale * baseline_tpot_ms
+        if self.tpot_ms is not None:
+            return self.tpot_ms
+        assert self.baseline_scale is not None  # _one_of: exactly one of the two is set
+        return self.baseline_scale * baseline_tpot_ms
 
 
 def _default_classes() -> dict[str, SLOClass]:
@@ -109,7 +112,10 @@ class AdaptiveSettings(BaseModel):
 
 class SchedulerSettings(BaseModel):
     budget: PositiveInt = 16  # verifier tokens per iteration (knee of the latency curve)
-    policy: Literal["adaserve", "equal", "global", "optimal"] = "adaserve"
+    # paper: Algorithm 2 exactly; adaserve: with triage and a marginal-value stop
+    # (docs/ARCHITECTURE.md). optimal: Algorithm 1; the engine selects with adaserve in an iteration where it is
+    # INVALID (counted in adaserve_selection_optimal_invalid_total).
+    policy: Literal["adaserve", "paper", "equal", "global", "optimal"] = "adaserve"
     order: Literal["descending_a", "ascending_a"] = "descending_a"
     n_max: PositiveInt | None = None  # None -> ceil(1.2 * budget / n)
     correction_factor: PositiveFloat = 1.05  # inflates predicted t_spec (FlexFlow Serve)

@@ -8,12 +8,24 @@ was already emitted, holding back text that ends in an incomplete character.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    """What the engine and the CLI use of a transformers tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
 
 
 @dataclass
 class IncrementalDetokenizer:
-    tokenizer: object  # a transformers tokenizer (decode with skip_special_tokens)
+    tokenizer: Tokenizer
     stop: tuple[str, ...] = ()
     ids: list[int] = field(default_factory=list)
     text: str = ""  # everything released to the client so far

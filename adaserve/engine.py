@@ -26,7 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 
@@ -34,12 +35,13 @@ from adaserve import metrics
 from adaserve.adaptive import AcceptanceEstimate, plan_depth_width, slack_plan
 from adaserve.batching import BatchLimits, BatchPlan, Decoding, Prefilling, form_batch
 from adaserve.config import AdaptiveSettings, Settings
-from adaserve.detokenize import IncrementalDetokenizer
+from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
 from adaserve.latency import Curve, ForwardLatency
 from adaserve.request import GenerationRequest, TokenDelta
-from adaserve.scheduler import LocalScheduler, Scheduler
-from adaserve.selection import RequestProgress, SelectionParams
+from adaserve.sampling import TokenRng
+from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
+from adaserve.selection import RequestProgress, Selection, SelectionParams
 from adaserve.slo import required_accepted
 from adaserve.speculate import Drafter, DraftUpdate
 from adaserve.stream import RequestStream
@@ -95,7 +97,7 @@ class _Request:
     arrival: float
     tokens: list[int]  # prompt + generated, all committed
     detok: IncrementalDetokenizer | None
-    generator: object | None
+    generator: TokenRng | None
     ttft_deadline: float  # engine clock; the prefill order (earliest first)
     best_effort: bool = False
     first_token_t: float | None = None
@@ -135,8 +137,11 @@ class _TSpecPredictor:
     _ewma: dict[int, float] = field(default_factory=dict)
 
     def predict_ms(self, num_tokens: int) -> float:
-        bucket = _bucket(num_tokens)
-        return self._ewma.get(bucket, self.initial_ms) * self.correction
+        return self.measured_ms(num_tokens) * self.correction
+
+    def measured_ms(self, num_tokens: int) -> float:
+        """The EWMA itself, before the correction factor (selection_params applies it)."""
+        return self._ewma.get(_bucket(num_tokens), self.initial_ms)
 
     def observe(self, num_tokens: int, ms: float) -> None:
         bucket = _bucket(num_tokens)
@@ -146,6 +151,13 @@ class _TSpecPredictor:
 
 def _bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+# What other threads hand the loop: a submission (with its arrival time) or an abort.
+_InboxItem = (
+    tuple[Literal["submit"], tuple[GenerationRequest, RequestStream, float]]
+    | tuple[Literal["abort"], str]
+)
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,7 @@ class Engine:
         drafter: Drafter | None,
         scheduler: Scheduler,
         settings: Settings,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "adaserve",
         latency: ForwardLatency | None = None,
@@ -176,6 +188,7 @@ class Engine:
             raise ValueError(
                 "slo.baseline_tpot_ms 'auto' must be measured first (build_engine does)"
             )
+        self.baseline_tpot_ms: float = settings.slo.baseline_tpot_ms  # measured: not "auto"
         self.target = target
         self.settings = settings
         self.tokenizer = tokenizer
@@ -195,7 +208,7 @@ class Engine:
         self.max_model_len = min(
             target.max_model_len, settings.engine.max_model_len or target.max_model_len
         )
-        baseline = float(settings.slo.baseline_tpot_ms)
+        baseline = self.baseline_tpot_ms
         self.tspec = _TSpecPredictor(baseline, settings.scheduler.correction_factor)
         if latency is None:
             curve = settings.engine.latency_curve
@@ -210,7 +223,7 @@ class Engine:
         # prefill: part of what a prefill token costs the iteration.
         self._ingest_ms = 0.0
 
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
@@ -221,6 +234,7 @@ class Engine:
         # would share the first one's KV sequence and fail the whole batch.
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
+        self._optimal_invalid_logged = False
         self._thread: threading.Thread | None = None
         self._loop_done: Future | None = None
         self._stop = threading.Event()
@@ -269,7 +283,7 @@ class Engine:
             model=self.model_name,
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.target.eos_token_ids),
-            baseline_tpot_ms=float(self.settings.slo.baseline_tpot_ms),
+            baseline_tpot_ms=self.baseline_tpot_ms,
             speculative=self.drafter is not None,
         )
 
@@ -504,24 +518,36 @@ class Engine:
     def _select(self, step: _Step, trees: list[CandidateTree]) -> list[CandidateTree]:
         if all(len(t) == 1 for t in trees):
             return trees
-        sched = self.settings.scheduler
-        budget = max(step.batch.tree_budget, len(trees))  # every root must fit
+        n = len(trees)
+        budget = max(step.batch.tree_budget, n)  # every root must fit
         # The iteration's predicted latency: a decode step of the budget, plus what the
         # prefill chunks riding along add to the forward.
         prefill = step.batch.prefill_tokens
         extra = 0.0
         if prefill:
-            extra = self.latency.predict_ms(budget, prefill) - self.latency.predict_ms(budget, 0)
-        params = SelectionParams(
-            budget=budget,
-            depth=step.depth,
-            t_spec_ms=self.tspec.predict_ms(budget) + extra,
-            policy=sched.policy if sched.policy != "optimal" else "adaserve",
-            n_max=sched.n_max,
-            order=sched.order,
-        )
-        selection = self.scheduler.select(self._progress(step.decoding), trees, params)
+            extra = self._iteration_ms(budget, prefill) - self._iteration_ms(budget, 0)
+        t_spec_ms = self.tspec.measured_ms(budget) + extra
+        params = selection_params(self.settings.scheduler, step.depth, t_spec_ms, n, budget)
+        progress = self._progress(step.decoding)
+        selection = self.scheduler.select(progress, trees, params)
+        if selection.invalid:
+            selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
+
+    def _optimal_invalid(
+        self, progress: list[RequestProgress], trees: list[CandidateTree], params: SelectionParams
+    ) -> Selection:
+        """Policy optimal (Algorithm 1) found no allocation that meets every request's
+        A(r) within the budget: this iteration selects with policy adaserve instead."""
+        metrics.optimal_invalid_total.inc()
+        if not self._optimal_invalid_logged:
+            self._optimal_invalid_logged = True
+            log.warning(
+                "policy optimal: no allocation meets every SLO this iteration; selecting "
+                "with policy adaserve where that happens (adaserve_selection_optimal_"
+                "invalid_total counts them)"
+            )
+        return self.local_scheduler.select(progress, trees, replace(params, policy="adaserve"))
 
     def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
@@ -597,14 +623,14 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                req, stream, arrival = payload  # type: ignore[misc]
+            if item[0] == "submit":
+                req, stream, arrival = item[1]
                 self._waiting.append(self._new_request(req, stream, arrival))
-            elif kind == "abort":
-                self._abort(payload)  # type: ignore[arg-type]
+            else:
+                self._abort(item[1])
 
     def _new_request(
         self, req: GenerationRequest, stream: RequestStream, arrival: float

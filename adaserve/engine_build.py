@@ -1,16 +1,19 @@
-"""Assemble an Engine from settings: the one place that decides in-process vs gRPC.
+"""Assemble an Engine from settings: the one place that decides what runs in-process.
 
-`generate`, `up --all-in-one` and the verifier service all call `build_engine`, so the
-same engine code runs every way. gRPC clients are imported only when an address is
-configured (the core never needs grpc to run in-process).
+`generate`, `up --all-in-one` and the verifier service all build their engine here, so
+the same engine code runs every way. The core has no transport code: a drafter or
+scheduler reached over the network (`services.drafter`, `services.scheduler` set to an
+address) comes from the client factory the caller passes in;
+`services/verifier/wiring.py` passes the gRPC ones.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from adaserve.config import Settings
+from adaserve.config import SchedulerSettings, Settings
 from adaserve.engine import Engine
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.speculate import BeamDrafter, Drafter
@@ -18,8 +21,18 @@ from adaserve.target import RunnerTarget
 
 log = logging.getLogger("adaserve.engine")
 
+# (address, timeout_s) -> a Drafter served by another process
+DrafterClient = Callable[[str, float], Drafter]
+# (address, settings, timeout_s) -> a Scheduler served by another process
+SchedulerClient = Callable[[str, SchedulerSettings, float], Scheduler]
 
-def build_engine(settings: Settings) -> Engine:
+
+def build_engine(
+    settings: Settings,
+    *,
+    drafter_client: DrafterClient | None = None,
+    scheduler_client: SchedulerClient | None = None,
+) -> Engine:
     from adaserve.model.loader import load_runner, load_tokenizer, resolve_model
 
     ms = settings.model
@@ -55,28 +68,32 @@ def build_engine(settings: Settings) -> Engine:
             )
             settings = settings.model_copy(update={"engine": engine})
     target = RunnerTarget(runner, eos_token_ids(tokenizer, runner))
+    speculate = settings.engine.speculation
     return Engine(
         target=target,
-        drafter=build_drafter(settings, target_dir) if settings.engine.speculation else None,
-        scheduler=build_scheduler(settings),
+        drafter=build_drafter(settings, drafter_client) if speculate else None,
+        scheduler=build_scheduler(settings, scheduler_client),
         settings=settings,
         tokenizer=tokenizer,
         model_name=served_name(settings, target_dir),
     )
 
 
-def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter | None:
-    if settings.services.drafter:
-        from services.drafter.client import GrpcDrafter
-
-        return GrpcDrafter(
-            settings.services.drafter, timeout_s=settings.engine.speculation_timeout_ms / 1000.0
-        )
-    if not settings.model.drafter or settings.model.drafter == "none":
+def build_drafter(
+    settings: Settings, drafter_client: DrafterClient | None = None
+) -> Drafter | None:
+    """The drafter service at `services.drafter` (through `drafter_client`), else an
+    in-process BeamDrafter over `model.drafter`, else None (no speculation)."""
+    address = settings.services.drafter
+    if address:
+        if drafter_client is None:
+            raise ValueError(_no_transport("drafter", address))
+        return drafter_client(address, settings.engine.speculation_timeout_ms / 1000.0)
+    ms = settings.model
+    if not ms.drafter or ms.drafter == "none":
         return None
     from adaserve.model.loader import load_runner, resolve_model
 
-    ms = settings.model
     runner = load_runner(
         resolve_model(ms.drafter, role="drafter"),
         device=ms.device,
@@ -92,20 +109,30 @@ def build_drafter(settings: Settings, target_dir: Path | None = None) -> Drafter
     return BeamDrafter(runner)
 
 
-def build_scheduler(settings: Settings) -> Scheduler:
-    if settings.services.scheduler:
-        from services.scheduler.client import GrpcScheduler
-
-        return GrpcScheduler(
-            settings.services.scheduler,
-            settings.scheduler,
-            timeout_s=settings.engine.scheduler_timeout_ms / 1000.0,
+def build_scheduler(
+    settings: Settings, scheduler_client: SchedulerClient | None = None
+) -> Scheduler:
+    """The scheduler service at `services.scheduler` (through `scheduler_client`), else
+    in-process selection."""
+    address = settings.services.scheduler
+    if address:
+        if scheduler_client is None:
+            raise ValueError(_no_transport("scheduler", address))
+        return scheduler_client(
+            address, settings.scheduler, settings.engine.scheduler_timeout_ms / 1000.0
         )
     return LocalScheduler(settings.scheduler)
 
 
+def _no_transport(service: str, address: str) -> str:
+    return (
+        f"services.{service} is {address!r} but this entry point has no transport for it: "
+        "build the engine through services.verifier.wiring (the gRPC clients)"
+    )
+
+
 def eos_token_ids(tokenizer, runner) -> tuple[int, ...]:
-    ids = set(getattr(runner.config, "eos_token_ids", ()) or ())
+    ids: set[int] = set(getattr(runner.config, "eos_token_ids", ()) or ())
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))

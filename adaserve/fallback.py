@@ -143,8 +143,9 @@ class FallbackScheduler:
                 selection = self.inner.select(requests, trees, params)
                 # Answers from another process are checked; our own selection is not
                 # re-validated on the hot path (it is tested against a reference).
-                if self._remote:
-                    check_selection(selection.selected, list(trees))
+                if self._remote and not selection.invalid:  # invalid: no nodes to check
+                    given = trees.trees() if isinstance(trees, TreeBatch) else trees
+                    check_selection(selection.selected, given)
                 return selection
             except Exception as exc:
                 self._failed(exc)

@@ -62,6 +62,11 @@ fallbacks_total = Counter(
     "Iterations that fell back (drafter: plain decoding; scheduler: in-process selection)",
     ["component"],
 )
+optimal_invalid_total = Counter(
+    "adaserve_selection_optimal_invalid_total",
+    "Iterations where policy optimal (Algorithm 1) found no allocation meeting every "
+    "request's A(r), so policy adaserve selected instead",
+)
 drafter_resyncs_total = Counter(
     "adaserve_drafter_resyncs_total", "Requests whose draft state was rebuilt from history"
 )

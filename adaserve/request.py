@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FINISH_REASONS = (None, "stop", "length", "abort", "timeout", "error")
+# Why a request's stream ended (TokenDelta.finish_reason; None while it runs). The one
+# list of them: the wire mapping (services/common/convert.py) is checked against it.
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class TokenDelta:
     error: str | None = None
 
     def __post_init__(self) -> None:
-        if self.finish_reason not in FINISH_REASONS:
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(
-                f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
+                f"finish_reason must be None or one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )

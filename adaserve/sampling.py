@@ -55,7 +55,9 @@ def uniforms(keys: Sequence[int] | np.ndarray, positions: Sequence[int] | np.nda
 
 
 def row_params(
-    params: Sequence[SamplingParams], rows_per_request: Sequence[int], device: torch.device
+    params: Sequence[SamplingParams],
+    rows_per_request: Sequence[int] | np.ndarray,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row (temperature float32, top_k int64, top_p float32) tensors, each request's
     values repeated over its rows."""

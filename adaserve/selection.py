@@ -5,6 +5,11 @@ choose the nodes to verify. Every root costs one budget slot and counts 1.0 towa
 expected accepted tokens (the bonus token is always emitted).
 
 Policies:
+- `paper`: Algorithm 2 exactly. SLO phase: requests in descending A(r) (setting
+  `order`), each adding its highest-f nodes until 1 + sum f >= A_cap(r), it holds n_max
+  nodes (root included), or the budget is spent; throughput phase: the globally
+  highest-f nodes left until the budget is spent. (The paper's loops run while B >= 0,
+  one node past the budget; here the budget is a hard cap, as everywhere.)
 - `adaserve`: the SLO phase, then the throughput phase (Algorithm 2 with two changes,
   benchmarks/sim/RESULTS.md). SLO phase: the requests that can reach A_cap(r) this
   iteration with at most n_max nodes (root included), in descending A(r) (setting
@@ -33,13 +38,14 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
 from adaserve.slo import slo_targets
 from adaserve.tree import CandidateTree, TreeBatch, TreeError
 
-POLICIES = ("adaserve", "equal", "global", "optimal")
+POLICIES = ("adaserve", "paper", "equal", "global", "optimal")
 ORDERS = ("descending_a", "ascending_a")
 _TAKEN = np.uint64(np.iinfo(np.uint64).max)  # above every node's greedy key
 _ELAPSED = operator.attrgetter("elapsed_ms")
@@ -81,7 +87,13 @@ class ProgressBatch(Sequence[RequestProgress]):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, k):  # type: ignore[override]
+    @overload
+    def __getitem__(self, k: int) -> RequestProgress: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[RequestProgress]: ...
+
+    def __getitem__(self, k: int | slice) -> RequestProgress | list[RequestProgress]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         return RequestProgress(
@@ -94,7 +106,7 @@ class SelectionParams:
     budget: int  # B, every root costs one slot
     depth: int  # d of the candidate trees (A_cap = min(A, d + 1))
     t_spec_ms: float  # predicted latency of this iteration
-    policy: str = "adaserve"  # adaserve | equal | global | optimal
+    policy: str = "adaserve"  # adaserve | paper | equal | global | optimal
     n_max: int | None = None  # None -> ceil(1.2 * B / n)
     order: str = "descending_a"  # descending_a (paper) | ascending_a (FlexFlow code)
 
@@ -143,10 +155,12 @@ def select(
 
         return optimal_selection(batch, a, a_cap, params.budget)
     worth = None  # adaserve's throughput phase stops where nodes stop paying
-    if params.policy == "adaserve":
+    if params.policy in ("adaserve", "paper"):
         n_max = params.n_max if params.n_max is not None else default_n_max(params.budget, n)
-        take, held = slo_phase(batch, a, a_cap, params.budget, n_max, params.order)
-        worth = (float(held.sum()), params.budget)
+        triage = params.policy == "adaserve"
+        take, held = slo_phase(batch, a, a_cap, params.budget, n_max, params.order, triage)
+        if triage:
+            worth = (float(held.sum()), params.budget)
     elif params.policy == "equal":
         take = equal_shares(batch, params.budget)
     else:  # global
@@ -165,17 +179,21 @@ def slo_phase(
     budget: int,
     n_max: int,
     order: str = "descending_a",
+    triage: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(nodes each request holds after the SLO phase, root included: int64 [n];
     expected accepted tokens of those nodes: float64 [n]).
 
-    Only requests whose greedy prefix of at most n_max nodes reaches A_cap take part
-    (triage): one that cannot get back on track this iteration would spend its nodes
-    on low-f tails that return little and delay the requests still savable; it keeps
-    its root and competes in the throughput phase like everyone else."""
+    With `triage` (policy adaserve) only requests whose greedy prefix of at most n_max
+    nodes reaches A_cap take part: one that cannot get back on track this iteration
+    would spend its nodes on low-f tails that return little and delay the requests
+    still savable; it keeps its root and competes in the throughput phase like
+    everyone else. Without it (policy paper, Algorithm 2 as published) such a request
+    takes its n_max best nodes."""
     want, acc = greedy_prefix(batch, a_cap, n_max)
     rows = np.arange(len(batch))
-    want = np.where(acc[rows, want - 1] >= a_cap, want, 1)  # triage: savable ones only
+    if triage:  # savable ones only
+        want = np.where(acc[rows, want - 1] >= a_cap, want, 1)
     rank = np.argsort(-a if order == "descending_a" else a, kind="stable")
     extra = want[rank] - 1  # the roots are paid for up front
     # Requests consume the budget one after another: each gets what it wants, clipped

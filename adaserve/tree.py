@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 
 class TreeError(ValueError):
@@ -90,9 +91,11 @@ class CandidateTree:
         return np.exp(self.path_logprobs())
 
     def depths(self) -> np.ndarray:
-        if self._depths is None:
-            object.__setattr__(self, "_depths", _depths(self.parents.astype(np.int64)))
-        return self._depths
+        depths = self._depths
+        if depths is None:  # computed once; the tree is frozen, so bypass __setattr__
+            depths = _depths(self.parents.astype(np.int64))
+            object.__setattr__(self, "_depths", depths)
+        return depths
 
     def subtree(self, nodes: np.ndarray) -> CandidateTree:
         """The tree restricted to `nodes` (ascending, includes 0, closed under parent)."""
@@ -343,7 +346,7 @@ class TreeBatch:
 
         return self._cached("f", compute)
 
-    def _sweep(self) -> np.ndarray:
+    def _sweep(self) -> npt.NDArray[np.complex128]:
         """complex128 [num_trees, width]: log f + 1j * depth for every grid cell.
 
         Each node adds its own (log q + 1j) to its parent's final value, so the sums run
@@ -355,7 +358,7 @@ class TreeBatch:
         for beam trees (parents in the previous layer) a block is a layer, so a
         depth-d batch takes d vectorized steps."""
 
-        def compute() -> np.ndarray:
+        def compute() -> npt.NDArray[np.complex128]:
             self.validate()
             n, width = len(self), self.width
             # Node-major [width, num_trees] while sweeping: a block is one contiguous slab.

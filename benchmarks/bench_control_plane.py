@@ -39,7 +39,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from adaserve.config import Settings, load_settings  # noqa: E402
 from adaserve.engine import Engine  # noqa: E402
-from adaserve.engine_build import build_drafter, build_scheduler  # noqa: E402
 from adaserve.request import GenerationRequest, SamplingParams  # noqa: E402
 from adaserve.scheduler import LocalScheduler, Scheduler  # noqa: E402
 from adaserve.speculate import Drafter  # noqa: E402
@@ -52,6 +51,7 @@ from benchmarks.control_plane_probes import (  # noqa: E402
     elapsed_ms,
 )
 from benchmarks.control_plane_report import goal_summary, plot, print_table  # noqa: E402
+from services.verifier.wiring import build_drafter, build_scheduler  # noqa: E402
 
 MODES = ("all-in-one", "grpc")
 SLO_MS = (48.0, 50.0, 150.0)  # coding (1.2 x 40 ms baseline) / chat / summarize

@@ -14,22 +14,14 @@ from dataclasses import dataclass
 import grpc
 
 from adaserve.config import Settings
-from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.errors import APIError, from_grpc
 from gateway.metrics import GatewayMetrics, RequestTimes
 from gateway.router import Router, Unit
 from gateway.spec import GenerateSpec
+from services.common.convert import finish_reason_from_pb
 
 log = logging.getLogger("adaserve.gateway.requests")
 
-FINISH_REASONS = {
-    vpb.FINISH_REASON_UNSPECIFIED: None,
-    vpb.FINISH_REASON_STOP: "stop",
-    vpb.FINISH_REASON_LENGTH: "length",
-    vpb.FINISH_REASON_ABORT: "abort",
-    vpb.FINISH_REASON_TIMEOUT: "timeout",
-    vpb.FINISH_REASON_ERROR: "error",
-}
 CLIENT_CLOSED = 499  # nginx's status for "client went away first"
 # Backstop over the engine's own timeout_s handling, which normally fires first.
 _DEADLINE_SLACK_S = 5.0
@@ -163,7 +155,7 @@ class Generation:
             if msg is grpc.aio.EOF:
                 self.status = 502
                 raise APIError(502, "serving unit ended the stream without a finish reason")
-            reason = FINISH_REASONS.get(msg.finish_reason, "error")
+            reason = finish_reason_from_pb(msg.finish_reason)
             if reason == "error":
                 self.status = 500
                 raise APIError(500, f"generation failed: {msg.error or 'engine error'}")

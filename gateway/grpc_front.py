@@ -16,20 +16,13 @@ from pydantic import ValidationError
 
 from adaserve.rpc.v1 import gateway_pb2 as gpb
 from adaserve.rpc.v1 import gateway_pb2_grpc as ggrpc
-from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway import spec as specs
 from gateway.auth import ApiKeys
 from gateway.core import Gateway
 from gateway.errors import APIError, from_validation
 from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from services.common.convert import finish_reason_to_pb
 from services.common.server import GrpcServer, Service
-
-_FINISH = {
-    "stop": vpb.FINISH_REASON_STOP,
-    "length": vpb.FINISH_REASON_LENGTH,
-    "abort": vpb.FINISH_REASON_ABORT,
-    "timeout": vpb.FINISH_REASON_TIMEOUT,
-}
 
 
 class GatewayServicer(ggrpc.GatewayServicer):
@@ -109,7 +102,7 @@ class GatewayServicer(ggrpc.GatewayServicer):
                     ttft_slo_ms=h.ttft_slo_ms or 0.0,
                 )
                 if c.finish_reason is not None:
-                    out.finish_reason = _FINISH.get(c.finish_reason, vpb.FINISH_REASON_ERROR)
+                    out.finish_reason = finish_reason_to_pb(c.finish_reason)
                     out.usage.CopyFrom(
                         gpb.Usage(
                             prompt_tokens=h.num_prompt_tokens,

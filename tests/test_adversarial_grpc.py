@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from adaserve import metrics
 from adaserve.config import SchedulerSettings, Settings
 from adaserve.engine import Engine
-from adaserve.engine_build import build_engine
 from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, scheduler_pb2
 from adaserve.rpc.v1 import scheduler_pb2_grpc as sgrpc
@@ -43,6 +42,7 @@ from services.drafter.server import DrafterServicer
 from services.scheduler.server import SERVICE_NAME as SCHEDULER_SERVICE
 from services.scheduler.server import SchedulerServicer
 from services.verifier.server import build_server as verifier_server
+from services.verifier.wiring import build_engine
 from tests._faults import greedy_reference_ignore_eos, greedy_request
 from tests._serving import VOCAB, make_served_model
 

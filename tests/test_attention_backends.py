@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import ReferenceBackend, TreeBatch, make_backend
+from adaserve.model.attention import AttentionBatch, ReferenceBackend, make_backend
 from adaserve.model.attention_flashinfer import build_paged_arrays
 from adaserve.model.attention_triton import (
     build_arrays,
@@ -131,7 +131,7 @@ def test_flashinfer_page_table_and_mask() -> None:
 def test_flashinfer_metadata_rejects_wrong_block_size() -> None:
     """Blocks 5 then 2 of size 4: read with size 8 those slots would be other KV."""
     slots = np.array([20, 21, 22, 23, 8, 9], dtype=np.int64)
-    batch = TreeBatch([1], slots[-1:], [slots], [np.ones((1, 6), dtype=bool)], [[5, 2]])
+    batch = AttentionBatch([1], slots[-1:], [slots], [np.ones((1, 6), dtype=bool)], [[5, 2]])
     assert build_paged_arrays(batch, block_size=4).kv_indices.tolist() == [5, 2]
     with pytest.raises(ValueError, match="block_size=8"):
         build_paged_arrays(batch, block_size=8)

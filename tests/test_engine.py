@@ -8,6 +8,7 @@ drafter failures and lost drafter state.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -186,6 +187,44 @@ def test_prefill_chunks_of_any_size_ride_with_trees_losslessly(target_dir, max_b
         assert max(p for _, p in seen) < len(LONG[0])  # and were split into chunks
     assert engine.target.kv_usage() == 0.0
     assert engine.drafter.inner.runner.kv_usage() == 0.0
+
+
+class RecordingScheduler(LocalScheduler):
+    """The real in-process scheduler, recording each call's policy and whether its
+    selection was INVALID."""
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.calls: list[tuple[str, bool]] = []
+
+    def select(self, requests, trees, params):
+        got = super().select(requests, trees, params)
+        self.calls.append((params.policy, got.invalid))
+        return got
+
+
+@pytest.mark.parametrize(("slo_ms", "invalid"), [(1e6, False), (0.5, True)])
+def test_policy_optimal_runs_algorithm_1_and_falls_back_where_invalid(
+    target_dir, slo_ms, invalid, caplog
+):
+    """`policy: optimal` reaches the scheduler as optimal (it used to become adaserve
+    silently). An SLO no tree can meet makes Algorithm 1 INVALID every iteration: the
+    engine then selects with adaserve, counts it and logs it once; output is unchanged."""
+    engine = make_engine(target_dir, target_dir, scheduler={"policy": "optimal"})
+    sched = engine.scheduler.inner = RecordingScheduler(engine.settings.scheduler)
+    before = metrics.optimal_invalid_total._value.get()
+    streams = [engine.submit(req(i, PROMPTS[i], 12, slo_ms)) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="adaserve.engine"):
+        res = run_to_completion(engine, streams)
+    for i in range(3):
+        assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], 12), f"request r{i}"
+    assert sched.calls
+    assert all(policy == "optimal" for policy, _ in sched.calls)
+    assert all(got == invalid for _, got in sched.calls)
+    fell_back = metrics.optimal_invalid_total._value.get() - before
+    assert fell_back == (len(sched.calls) if invalid else 0)
+    logged = [r for r in caplog.records if "policy optimal" in r.getMessage()]
+    assert len(logged) == (1 if invalid else 0)
 
 
 class FlakyDrafter:

@@ -64,7 +64,7 @@ def test_runner_logits_triton_equal_reference(tiny_llama_dir) -> None:
 
 
 def test_graphed_draft_steps_equal_eager(tiny_llama_dir) -> None:
-    from adaserve.model.graph_runner import install_draft_graphs
+    from adaserve.model.cuda_graphs import install_draft_graphs
     from adaserve.model.loader import load_runner
     from adaserve.speculate import BeamDrafter, DraftUpdate
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import ReferenceBackend, TreeBatch, make_backend
+from adaserve.model.attention import AttentionBatch, ReferenceBackend, make_backend
 from adaserve.model.kv_cache import KVStorage
 
 
@@ -46,7 +46,7 @@ def test_reference_matches_naive_on_ragged_batch() -> None:
     for slots in old:  # pre-existing KV
         storage.k[0, torch.from_numpy(slots)] = torch.randn(len(slots), kv_heads, d)
         storage.v[0, torch.from_numpy(slots)] = torch.randn(len(slots), kv_heads, d)
-    batch = TreeBatch(
+    batch = AttentionBatch(
         [k for _, k in specs], np.concatenate(slot_mapping), kv_slots, visible, [[] for _ in specs]
     )
     t = sum(k for _, k in specs)

@@ -102,7 +102,7 @@ def assert_same_selection(got, want) -> None:
     np.testing.assert_array_equal(got.expected_accepted, want.expected_accepted)
 
 
-@pytest.mark.parametrize("policy", ["adaserve", "equal", "global", "optimal"])
+@pytest.mark.parametrize("policy", ["adaserve", "paper", "equal", "global", "optimal"])
 @pytest.mark.parametrize("seed", range(6))
 def test_grpc_matches_in_process(client: GrpcScheduler, policy: str, seed: int) -> None:
     rng = np.random.default_rng(seed)

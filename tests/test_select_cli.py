@@ -86,6 +86,25 @@ def test_stdin_policies_and_invalid_optimal():
     assert json.loads(done.stdout) == {"invalid": True}
 
 
+def test_policy_paper_is_algorithm_2_as_published():
+    def selected(*args: str, batch: dict) -> list[list[int]]:
+        done = adaserve(*args, "-", stdin=json.dumps(batch))
+        assert done.returncode == 0, done.stderr
+        return [r["selected"] for r in json.loads(done.stdout)["requests"]]
+
+    # Figure 2 is the paper's own example: Algorithm 2 gives the figure's trees.
+    assert selected("--policy", "paper", batch=FIG2) == [[0, 1, 3, 5], [0, 1, 2, 3]]
+    # A(r0) = 11 (A_cap 4): its 5 best nodes (n_max = ceil(1.2 * 8 / 2)) sum to 2.6.
+    hopeless = copy.deepcopy(FIG2)
+    hopeless["requests"][0]["elapsed_ms"] = 200.0
+    # Algorithm 2 serves the largest A first: r0 spends n_max nodes chasing 4, r1
+    # reaches 1.8 with the last two slots and the throughput phase has none left.
+    assert selected("--policy", "paper", batch=hopeless) == [[0, 1, 2, 3, 5], [0, 1, 2]]
+    # adaserve's triage keeps r0 to its root in the SLO phase; the throughput phase
+    # then gives the 4 slots left to the best nodes of both.
+    assert selected(batch=hopeless) == [[0, 1, 3, 5], [0, 1, 2, 3]]
+
+
 def test_bad_input_exits_2_without_a_traceback(tmp_path):
     done = adaserve("-", stdin='{"budget": 8,')
     assert done.returncode == 2

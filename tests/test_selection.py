@@ -243,6 +243,6 @@ def test_budget_at_the_int64_limit_selects_every_node():
         np.array([0.0, -0.1, -0.2], np.float32),
     )
     progress = [RequestProgress("a", 50.0, 10.0, 1)]
-    for policy in ("adaserve", "equal", "global", "optimal"):
+    for policy in ("adaserve", "paper", "equal", "global", "optimal"):
         params = SelectionParams(budget=2**63 - 1, depth=2, t_spec_ms=10.0, policy=policy)
         assert select(progress, [tree], params).selected[0].tolist() == [0, 1, 2]

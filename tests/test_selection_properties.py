@@ -33,7 +33,7 @@ def inside(batch: TreeBatch) -> np.ndarray:
     return np.arange(batch.width) < batch.sizes[:, None]
 
 
-@pytest.mark.parametrize("policy", ["adaserve", "equal", "global"])
+@pytest.mark.parametrize("policy", ["adaserve", "paper", "equal", "global"])
 @SETTINGS
 @given(data=st.data())
 def test_selection_is_a_set_of_connected_trees_within_budget(policy, data):

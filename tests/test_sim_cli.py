@@ -76,6 +76,14 @@ def test_single_run_writes_the_contracted_summary(workload_file, tmp_path, capsy
     assert "attainment" in capsys.readouterr().out
 
 
+def test_policy_paper_simulates(workload_file, tmp_path):
+    out = tmp_path / "paper"
+    args = ["--rps", "2", "--duration", "4", "--out", str(out), "--no-plots", "--quiet"]
+    assert main(["simulate", str(workload_file), "--policy", "paper", *args]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["policy"] == "paper" and s["requests"] > 0 and s["mean_accepted"] >= 1.0
+
+
 def test_spec_k_and_settings_overrides(workload_file, tmp_path):
     out = tmp_path / "spec"
     rc = main(

@@ -91,7 +91,8 @@ def test_every_request_finishes_once_and_tokens_add_up(policy):
 
 
 @pytest.mark.parametrize(
-    "policy", ["adaserve", "equal", "global", "spec-1", "spec-4", "specinfer", "cb", "cb-priority"]
+    "policy",
+    ["adaserve", "paper", "equal", "global", "spec-1", "spec-4", "specinfer", "cb", "cb-priority"],
 )
 def test_each_policy_honours_its_budget(policy):
     wl = small_workload(rps=6.0)
@@ -100,7 +101,7 @@ def test_each_policy_honours_its_budget(policy):
     batches = res.units[0].target.stats.batches
     assert batches
     for n, tokens in batches:
-        if policy in ("adaserve", "equal", "global"):
+        if policy in ("adaserve", "paper", "equal", "global"):
             assert n <= tokens <= max(budget, n)
         elif policy.startswith("spec-"):
             assert tokens == n * (int(policy.split("-")[1]) + 1)  # the whole chain

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaserve.cuda_graphs import DEFAULT_N_BUCKETS, DraftStepGraphs, pad_inputs, pick_bucket
+from adaserve.model.cuda_graphs import DEFAULT_N_BUCKETS, DraftStepGraphs, pad_inputs, pick_bucket
 
 
 def test_pick_bucket():

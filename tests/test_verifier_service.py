@@ -12,11 +12,25 @@ from pathlib import Path
 import grpc
 import pytest
 
+from adaserve.request import FINISH_REASONS, TokenDelta
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
+from services.common.convert import finish_reason_from_pb, finish_reason_to_pb
 from tests._serving import greedy_reference, make_served_model, start_verifier
 
 pytestmark = pytest.mark.slow  # a model-serving process per module
+
+
+def test_finish_reasons_cross_the_wire_both_ways() -> None:
+    """One list of reasons (adaserve.request), one wire mapping (convert.py), which the
+    verifier and the gateway both use."""
+    for reason in (None, *FINISH_REASONS):
+        assert finish_reason_from_pb(finish_reason_to_pb(reason)) == reason
+    assert finish_reason_to_pb(None) == vpb.FINISH_REASON_UNSPECIFIED
+    assert finish_reason_to_pb("length") == vpb.FINISH_REASON_LENGTH
+    assert finish_reason_from_pb(99) == "error"  # a reason from a newer server
+    with pytest.raises(ValueError, match="finish_reason"):
+        TokenDelta((), "", "done", 1, 0)
 
 
 @pytest.fixture(scope="module")

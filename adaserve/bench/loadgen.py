@@ -129,7 +129,7 @@ async def _one(
 async def replay(
     requests: Sequence[SimRequest],
     target: BenchTarget,
-    progress: Callable[[RequestRecord], None] | None = None,
+    progress: Callable[[RequestRecord], object] | None = None,  # return value ignored
 ) -> list[RequestRecord]:
     """Send every request at its arrival offset; returns records in trace order."""
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}

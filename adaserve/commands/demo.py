@@ -243,7 +243,7 @@ def _plot(records: list[RequestRecord], path: Path) -> Path:
             continue
         ax.scatter(
             [r.arrival_s for r in rs],
-            [r.tpot_ms for r in rs],
+            [r.tpot_ms for r in rs if r.tpot_ms is not None],  # all of rs: narrows the type
             s=14,
             color=color,
             label=f"{cls} TPOT",

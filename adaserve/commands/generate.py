@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaserve.engine_build import build_engine
+    from services.verifier.wiring import build_engine
 
     overrides: dict = {
         "model": {
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     load_s = time.perf_counter() - t_load
 
+    tokenizer = engine.tokenizer
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -97,9 +98,12 @@ def run(args: argparse.Namespace) -> int:
                 "adaserve generate: --prompt-ids must be comma-separated integers", file=sys.stderr
             )
             return 2
+    elif tokenizer is None:
+        print("adaserve generate: the model has no tokenizer; pass --prompt-ids", file=sys.stderr)
+        return 2
     elif args.chat:
         prompt_ids = list(
-            engine.tokenizer.apply_chat_template(
+            tokenizer.apply_chat_template(
                 [{"role": "user", "content": args.prompt}],
                 add_generation_prompt=True,
                 tokenize=True,
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        prompt_ids = list(engine.tokenizer.encode(args.prompt, add_special_tokens=False))
+        prompt_ids = list(tokenizer.encode(args.prompt, add_special_tokens=False))
 
     try:
         req = GenerationRequest(

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             tok,
             int(target.vocab_size),
             args.trace_prompts,
-            random_ids=tuple(random_ids) if random_ids else None,
+            random_ids=(random_ids[0], random_ids[1]) if random_ids else None,  # checked: LO,HI
             length=args.trace_prompt_len,
         )
         n = write_trace(

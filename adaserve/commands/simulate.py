@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload YAML (e.g. workloads/adaserve-eurosys.yaml)")
     p.add_argument(
         "--policy",
-        help="adaserve | equal | global | spec-K | specinfer | cb | cb-priority",
+        help="adaserve | paper | equal | global | spec-K | specinfer | cb | cb-priority",
     )
     p.add_argument("--k", type=int, help="speculation length for --policy spec")
     p.add_argument("--rps", type=float, help="mean request rate (default: the workload's)")

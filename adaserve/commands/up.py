@@ -95,7 +95,7 @@ class Service:
     settle_first: bool = False
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
-    def start(self) -> None:
+    def start(self) -> subprocess.Popen:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it from here
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "adaserve.cli", *self.args],
@@ -106,6 +106,7 @@ class Service:
             start_new_session=True,  # own process group: TP ranks die with it
         )
         log.close()
+        return self.proc
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -205,8 +206,8 @@ class Launcher:
         for svc in self.services:
             if svc.settle_first:
                 self._wait_healthy(pending, deadline, timeout_s)
-            svc.start()
-            print(f"  started {svc.name:<12} pid {svc.proc.pid:<7} log {svc.log_path}", flush=True)
+            proc = svc.start()
+            print(f"  started {svc.name:<12} pid {proc.pid:<7} log {svc.log_path}", flush=True)
             pending.append(svc)
         self._wait_healthy(pending, deadline, timeout_s)
 
@@ -273,7 +274,8 @@ def _grpc_serving(address: str) -> bool:
 
     with channel(address) as ch:  # mutual TLS when the services use it
         try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(
+            # typeshed's HealthStub stub omits the Check attribute the real class sets
+            reply = health_pb2_grpc.HealthStub(ch).Check(  # pyright: ignore[reportAttributeAccessIssue]
                 health_pb2.HealthCheckRequest(), timeout=1.0
             )
         except grpc.RpcError:

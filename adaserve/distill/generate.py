@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from adaserve.distill.llama import KVCache, LlamaModel
+from adaserve.model.cuda_graphs import GraphRunner
 
 TOPK = 32
 
@@ -145,8 +146,10 @@ class _Step:
     def forward(self, slot: int | None = None) -> tuple[torch.Tensor, ...]:
         if self.cache.slot is not None:
             m = self.valid[:, None, None, :]
-        else:
+        elif slot is not None:
             m = self.valid[:, None, None, : slot + 1]
+        else:
+            raise ValueError("an eager step (no static cache slot) needs its slot")
         hidden = self.model(self.tok[:, None], self.pos[:, None], m, self.cache)[:, -1]
         return _labels(self.model, hidden, self.topk)
 
@@ -158,24 +161,17 @@ class _Step:
 def _graphed(
     step: _Step, first_slot: int
 ) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
-    """`step` captured once as a CUDA graph; calls update its inputs in place and replay.
-    The warm-up runs write into the first decode slot, which the first real step rewrites."""
+    """`step` captured once as a CUDA graph (one key: the batch has one shape); calls
+    update its inputs in place and replay. The warm-up runs write into the first decode
+    slot, which the first real step rewrites."""
     assert step.cache.slot is not None, "only a static step has fixed shapes"
     step.cache.slot.fill_(first_slot)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step.forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step.forward()
+    graphs: GraphRunner[int, tuple[torch.Tensor, ...]] = GraphRunner()
+    graphs.capture([0], lambda _key: step.forward(), warmup=2)
 
     def run(tok: torch.Tensor, slot: int) -> tuple[torch.Tensor, ...]:
         step.set_inputs(tok, slot)
-        graph.replay()
-        return outs
+        return graphs.replay(0)
 
     return run
 

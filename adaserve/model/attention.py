@@ -2,7 +2,7 @@
 interface, and the pure-PyTorch reference backend (CPU and GPU; the test oracle).
 
 Each new node attends to its sequence's committed prefix, its scratch ancestors and
-itself. The runner describes that once per forward as a `TreeBatch`; a backend turns
+itself. The runner describes that once per forward as an `AttentionBatch`; a backend turns
 it into its own metadata (`plan`) and then runs every layer with it (`attend`).
 """
 
@@ -19,8 +19,9 @@ from adaserve.model.kv_cache import KVStorage
 
 
 @dataclass(frozen=True)
-class TreeBatch:
-    """Backend-neutral description of one forward's attention pattern."""
+class AttentionBatch:
+    """The per-forward attention metadata input: backend-neutral description of one
+    forward's attention pattern (not `adaserve.tree.TreeBatch`, the candidate trees)."""
 
     query_lens: list[int]  # new nodes per sequence
     slot_mapping: np.ndarray  # int64 [T]: cache slot for each new node's KV (packed order)
@@ -32,7 +33,7 @@ class TreeBatch:
 class AttentionBackend(Protocol):
     name: str
 
-    def plan(self, batch: TreeBatch) -> Any:
+    def plan(self, batch: AttentionBatch) -> Any:
         """Build the per-forward metadata, once, before the layers run."""
 
     def attend(
@@ -40,6 +41,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Write kv_new [T, 2, kv_heads, D] (k | v) at the new nodes' slots, then attend
         q [T, heads, D]; returns [T, heads * D] in packed token order."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class ReferenceBackend:
         self.scale = head_dim**-0.5
         self.device = device
 
-    def plan(self, batch: TreeBatch) -> ReferenceMetadata:
+    def plan(self, batch: AttentionBatch) -> ReferenceMetadata:
         b = len(batch.query_lens)
         q_max = max(batch.query_lens)
         kv_max = max(len(s) for s in batch.kv_slots)

@@ -4,7 +4,7 @@ FlashInfer's FA2 prefill kernels are its only path that takes an arbitrary mask,
 that is the backend used: `plan` runs once per forward (the wrapper's scheduling work
 happens there, on the host) and every layer's `attend` reuses it.
 
-The mask FlashInfer wants is exactly `TreeBatch.visible`: per request a row-major
+The mask FlashInfer wants is exactly `AttentionBatch.visible`: per request a row-major
 [q_len, kv_len] boolean matrix over the request's *whole* KV (prefix and scratch),
 concatenated over the batch. K and V are passed as strided [num_blocks, block_size,
 kv_heads, head_dim] views (layout NHD) of the cache's [slots, 2, kv_heads, D].
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from adaserve.model.attention import TreeBatch
+from adaserve.model.attention import AttentionBatch
 from adaserve.model.kv_cache import KVStorage
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -40,8 +40,8 @@ class PagedArrays:
     slot_mapping: np.ndarray  # int64 [T]
 
 
-def build_paged_arrays(batch: TreeBatch, block_size: int) -> PagedArrays:
-    """Page table and flattened mask of a `TreeBatch`; checks that the slots really are
+def build_paged_arrays(batch: AttentionBatch, block_size: int) -> PagedArrays:
+    """Page table and flattened mask of an `AttentionBatch`; checks that the slots really are
     `block * block_size + offset` (a mismatched block size would read wrong KV)."""
     qo, kv_ptr, pages, last, masks = [0], [0], [], [], []
     for i, (k, slots, vis, table) in enumerate(
@@ -97,7 +97,7 @@ class FlashInferBackend:
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         try:
-            import flashinfer
+            import flashinfer  # pyright: ignore[reportMissingImports] - the optional gpu extra
         except ImportError as exc:
             raise ImportError(
                 "attention backend 'flashinfer' needs the optional extra: "
@@ -117,7 +117,7 @@ class FlashInferBackend:
             workspace, "NHD", backend="fa2"
         )
 
-    def plan(self, batch: TreeBatch) -> FlashInferMetadata:
+    def plan(self, batch: AttentionBatch) -> FlashInferMetadata:
         a = build_paged_arrays(batch, self.block_size)
 
         def dev(x: np.ndarray) -> torch.Tensor:

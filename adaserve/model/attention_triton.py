@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaserve.model.attention import TreeBatch
+from adaserve.model.attention import AttentionBatch
 from adaserve.model.kv_cache import KVStorage
 
 BLOCK_N = 64  # keys per inner-loop tile
@@ -61,8 +61,8 @@ def prefix_length(visible: np.ndarray) -> int:
     return int(visible.shape[1] if cols.all() else np.argmin(cols))
 
 
-def build_arrays(batch: TreeBatch, group: int, block_m: int) -> TreeArrays:
-    """Turn a backend-neutral `TreeBatch` into the kernel's arrays."""
+def build_arrays(batch: AttentionBatch, group: int, block_m: int) -> TreeArrays:
+    """Turn a backend-neutral `AttentionBatch` into the kernel's arrays."""
     b = len(batch.query_lens)
     q_len = np.asarray(batch.query_lens, dtype=np.int32)
     kv_len = np.asarray([len(s) for s in batch.kv_slots], dtype=np.int32)
@@ -75,7 +75,7 @@ def build_arrays(batch: TreeBatch, group: int, block_m: int) -> TreeArrays:
     for i, (k, s, vis) in enumerate(zip(q_len, batch.kv_slots, batch.visible, strict=True)):
         if vis.shape != (k, len(s)):
             raise ValueError(
-                f"TreeBatch: sequence {i} visibility is {vis.shape}, expected {(int(k), len(s))}"
+                f"AttentionBatch: sequence {i} visibility is {vis.shape}, expected {(int(k), len(s))}"
             )
         slots[i, : len(s)] = s
         mask[i, :k, : len(s) - prefix[i]] = vis[:, prefix[i] :]
@@ -123,13 +123,14 @@ def reference_from_arrays(
 # ---- the kernel (defined only where triton imports) ----------------------------------
 
 try:  # triton is optional: CPU installs do not have it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    triton = None
-    tl = None
+    import triton  # pyright: ignore[reportMissingImports] - an optional GPU dependency
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 
-if triton is not None:
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
 
     @triton.jit
     def _tree_attn_kernel(
@@ -292,7 +293,7 @@ class TritonBackend:
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
     ) -> None:
-        if triton is None:
+        if not HAVE_TRITON:
             raise ImportError(
                 "attention backend 'triton' needs the triton package (it ships with CUDA "
                 "builds of PyTorch)"
@@ -306,7 +307,7 @@ class TritonBackend:
         self.scale = head_dim**-0.5
         self.device = device
 
-    def plan(self, batch: TreeBatch) -> TritonMetadata:
+    def plan(self, batch: AttentionBatch) -> TritonMetadata:
         block_m = pick_block_m(max(batch.query_lens) * self.group)
         arrays = build_arrays(batch, self.group, block_m)
         return TritonMetadata.from_arrays(arrays, block_m, self.device)
@@ -340,7 +341,9 @@ def tree_attention(
         raise ValueError("tree_attention: the head dimension must be contiguous")
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
     grid = (meta.prog_seq.shape[0], k_cache.shape[1])
-    _tree_attn_kernel[grid](
+    # triton.jit makes a subscriptable JITFunction; without triton installed the checker
+    # sees the plain function.
+    _tree_attn_kernel[grid](  # pyright: ignore[reportIndexIssue]
         q,
         k_cache,
         v_cache,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaserve.model.attention import ReferenceBackend, ReferenceMetadata, TreeBatch
+from adaserve.model.attention import AttentionBatch, ReferenceBackend, ReferenceMetadata
 from adaserve.model.cpu_gemm import _threads, kernel
 from adaserve.model.kv_cache import KVStorage
 
@@ -83,7 +83,7 @@ class CpuTreeBackend:
         self.scale = head_dim**-0.5
         self._attend = kernel().adaserve_tree_attention
 
-    def plan(self, batch: TreeBatch) -> CpuTreeMetadata | ReferenceMetadata | MixedMetadata:
+    def plan(self, batch: AttentionBatch) -> CpuTreeMetadata | ReferenceMetadata | MixedMetadata:
         short = [k <= MAX_QUERIES for k in batch.query_lens]
         if all(short):
             return self._plan_kernel(batch)
@@ -98,7 +98,7 @@ class CpuTreeBackend:
             chunk_rows=torch.from_numpy(np.nonzero(~rows_short)[0]),
         )
 
-    def _plan_kernel(self, batch: TreeBatch) -> CpuTreeMetadata:
+    def _plan_kernel(self, batch: AttentionBatch) -> CpuTreeMetadata:
         t = sum(batch.query_lens)
         b = len(batch.query_lens)
         kv_max = max(len(s) for s in batch.kv_slots)
@@ -187,10 +187,10 @@ class CpuTreeBackend:
         return out
 
 
-def _subset(batch: TreeBatch, keep: list[bool], rows: np.ndarray) -> TreeBatch:
+def _subset(batch: AttentionBatch, keep: list[bool], rows: np.ndarray) -> AttentionBatch:
     """The sequences of `batch` where keep is True (rows: their packed new tokens)."""
     pick = [i for i, k in enumerate(keep) if k]
-    return TreeBatch(
+    return AttentionBatch(
         query_lens=[batch.query_lens[i] for i in pick],
         slot_mapping=batch.slot_mapping[rows],
         kv_slots=[batch.kv_slots[i] for i in pick],

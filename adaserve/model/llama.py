@@ -8,7 +8,7 @@ CPU, where a 135M model's decode step is mostly overhead and weight reads).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from adaserve.model.layers import (
     VocabParallelEmbedding,
 )
 from adaserve.model.weights import WeightSource
+
+if TYPE_CHECKING:  # cpu_gemm imports this module
+    from adaserve.model.cpu_gemm import PackedEmbedding
 
 
 class Attention(nn.Module):
@@ -123,7 +126,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        # The packed CPU kernel swaps a tied embedding for a PackedEmbedding after loading.
+        self.embed: VocabParallelEmbedding | PackedEmbedding = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, tp, dtype, device
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, tp, dtype, device) for i in range(cfg.num_layers)
         )
@@ -164,8 +170,11 @@ class LlamaModel(nn.Module):
         prefix = _prefix(src)
         get = lambda name: src.get(prefix + name)  # noqa: E731
         opt = lambda name: src.get(prefix + name) if src.has(prefix + name) else None  # noqa: E731
+        if not isinstance(self.embed, VocabParallelEmbedding):
+            raise RuntimeError("load_weights: weights load before the CPU kernel packs them")
         self.embed.load(get("model.embed_tokens.weight"))
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)  # ModuleList items are typed as Module
             p = f"model.layers.{i}."
             a = p + "self_attn."
             qkv = ["q_proj", "k_proj", "v_proj"]

@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from adaserve.model.layers import linear_layers
+from adaserve.model.layers import VocabParallelEmbedding, linear_layers
 from adaserve.model.llama import LlamaModel
 
 QUANTIZATIONS = ("none", "int8")
@@ -67,7 +67,7 @@ def quantize_int8(model: LlamaModel, cpu_kernel: str = "auto") -> int:
         weight = child.weight_t
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError("int8 quantization runs on the CPU, from float32 weights")
-        if weight is model.embed.weight_t:
+        if isinstance(model.embed, VocabParallelEmbedding) and weight is model.embed.weight_t:
             continue  # a tied LM head: the embedding lookup needs the tensor as it is
         bias = getattr(child, "bias", None)
         layer = PackedLinear(weight, bias, int8=True) if packed else Int8Linear(weight, bias)

@@ -1,7 +1,7 @@
 """Random tree batches over a real paged KV cache, for attention tests and benchmarks.
 
 `random_tree_batch` lays out sequences the way the runner does (committed prefix,
-then scratch nodes with random parents) and returns the backend-neutral `TreeBatch`
+then scratch nodes with random parents) and returns the backend-neutral `AttentionBatch`
 plus random q/k/v for its new nodes, so a backend can be checked or timed without a
 model around it.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from adaserve.model.attention import TreeBatch
+from adaserve.model.attention import AttentionBatch
 from adaserve.model.kv_cache import PagedKVCache
 
 
@@ -38,7 +38,7 @@ def random_tree_batch(
     rng: np.random.Generator,
     shape: str = "random",
     prefix: str = "s",
-) -> TreeBatch:
+) -> AttentionBatch:
     """Add one sequence per (committed_len, new_nodes) spec to `cache` (committed KV is
     whatever the slots hold), append random scratch trees, and describe them."""
     bs = cache.block_size
@@ -58,7 +58,7 @@ def random_tree_batch(
         kv_slots.append(seq.slots(0, seq.total_len, bs))
         visible.append(vis)
         tables.append(list(seq.block_table))
-    return TreeBatch(q_lens, np.concatenate(slot_mapping), kv_slots, visible, tables)
+    return AttentionBatch(q_lens, np.concatenate(slot_mapping), kv_slots, visible, tables)
 
 
 def random_qkv(

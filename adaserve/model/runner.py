@@ -3,7 +3,7 @@
 Each sequence has a committed prefix (KV cached) and, during an iteration, scratch
 nodes: tokens whose KV is computed by `forward` and kept in slots after the prefix
 until `commit` keeps one chain of them and drops the rest. A forward over a batch of
-sequences builds one `TreeBatch` (slots, visibility) and one backend metadata
+sequences builds one `AttentionBatch` (slots, visibility) and one backend metadata
 object, then runs the layers once for all new nodes of all sequences.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaserve.model.attention import AttentionBackend, TreeBatch
+from adaserve.model.attention import AttentionBackend, AttentionBatch
 from adaserve.model.config import ModelConfig
 from adaserve.model.kv_cache import KVCacheFull, PagedKVCache
 from adaserve.model.llama import LlamaModel
@@ -138,7 +138,7 @@ class ModelRunner:
         )
         return logits.float()
 
-    def _append(self, inputs: list[SeqInput]) -> tuple[TreeBatch, np.ndarray]:
+    def _append(self, inputs: list[SeqInput]) -> tuple[AttentionBatch, np.ndarray]:
         """Add the new nodes to each sequence's scratch (blocks already reserved) and
         describe what they attend to. Returns the batch and positions int64 [T]."""
         bs = self.cache.block_size
@@ -155,7 +155,7 @@ class ModelRunner:
             vis[:, seq.committed :] = seq.ancestors[-k:]
             visible.append(vis)
             tables.append(list(seq.block_table))
-        batch = TreeBatch(
+        batch = AttentionBatch(
             query_lens=[len(x.tokens) for x in inputs],
             slot_mapping=np.concatenate(slot_mapping),
             kv_slots=kv_slots,

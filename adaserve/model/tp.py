@@ -86,9 +86,13 @@ def apply(runner: ModelRunner, cmd: Command) -> torch.Tensor | None:
 
 
 def _broadcast(cmd: Command | None, control: Any) -> Command:
+    """Rank 0 sends `cmd`; the followers pass None and get rank 0's command back."""
     box = [cmd]
     dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+    got = box[0]
+    if got is None:  # rank 0 always sends a command
+        raise RuntimeError("tensor parallel: rank 0 broadcast no command")
+    return got
 
 
 class TPRunner:
@@ -172,7 +176,9 @@ class TPRunner:
         last_only: bool = False,
     ) -> torch.Tensor:
         idx = None if logits_indices is None else [int(i) for i in logits_indices]
-        return self._run(Forward(list(inputs), idx, last_only))
+        logits = self._run(Forward(list(inputs), idx, last_only))
+        assert logits is not None  # apply() returns a Forward's logits
+        return logits
 
     def commit(self, seq_id: str, keep: Sequence[int]) -> None:
         self._run(Commit(seq_id, [int(s) for s in keep]))

@@ -22,7 +22,7 @@ class WeightSource:
         self._tensors = tensors
         self._where = {k: "" for k in tensors} if tensors is not None else _index(self.path)
         self._stack = ExitStack()
-        self._open: dict[str, object] = {}
+        self._open: dict[str, safe_open] = {}
 
     def __enter__(self) -> WeightSource:
         return self

@@ -65,7 +65,7 @@ class SimDrafter:
         trees: dict[str, CandidateTree] = {}
         if drafting:
             if self.expansion is not None:
-                layers = self._static_layers(drafting, depth)
+                layers = self._static_layers(drafting, depth, self.expansion)
             else:
                 layers = self._beam_layers(drafting, depth, max(1, width))
             searched = _searched_layers(layers, stop_prob)
@@ -130,10 +130,12 @@ class SimDrafter:
             path = np.take_along_axis(cand, top, axis=1)
         return layers
 
-    def _static_layers(self, updates, depth: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _static_layers(
+        self, updates, depth: int, expansion: tuple[int, ...]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every node of layer l - 1 gets its top expansion[l - 1] tokens as children."""
         n = len(updates)
-        expansion = self.expansion[:depth]
+        expansion = expansion[:depth]
         widths = np.cumprod((1, *expansion[:-1]))  # nodes expanded at each layer
         # Each node's top-e of its top-k_max is its top-e: one draw serves every layer.
         q_all = self._children(updates, int(widths.sum()), max(expansion))

@@ -2,8 +2,10 @@
 
 All policies run through the same engine and the same selection code:
 
-- `adaserve`, `equal`, `global`: selection policies (paper 001, section 6.3 ablations),
-  adaptive depth/width (eq. 8-9), the profile's token budget.
+- `adaserve`, `paper`, `equal`, `global`: selection policies (`paper` is Algorithm 2
+  exactly, `adaserve` adds triage and a marginal-value stop; `equal` and `global` are
+  paper 001's section 6.3 ablations), adaptive depth/width (eq. 8-9), the profile's
+  token budget.
 - `spec-K`: vLLM-Spec(K): a fixed chain of K drafted tokens for every request, all of
   them verified (policy global with a budget no batch can exceed): no SLO awareness.
 - `specinfer`: SpecInfer's static expansion <1,1,3,1,1,1,1,1> (20 drafted nodes), all
@@ -19,7 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPECINFER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)
-POLICY_NAMES = ("adaserve", "equal", "global", "spec-K", "specinfer", "cb", "cb-priority")
+POLICY_NAMES = (
+    "adaserve",
+    "paper",
+    "equal",
+    "global",
+    "spec-K",
+    "specinfer",
+    "cb",
+    "cb-priority",
+)
+SELECTION_POLICIES = ("adaserve", "paper", "equal", "global")
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ def policy_spec(name: str, max_running: int, k: int | None = None) -> PolicySpec
         if not 1 <= depth <= 16:
             raise ValueError(f"spec-K needs 1 <= K <= 16, got {depth}")
         return _static(name, depth, 1, max_running * (depth + 1))
-    if name in ("adaserve", "equal", "global"):
+    if name in SELECTION_POLICIES:
         return PolicySpec(name, {"scheduler": {"policy": name}})
     if name == "specinfer":
         nodes = _expansion_nodes(SPECINFER_EXPANSION)

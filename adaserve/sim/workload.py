@@ -45,6 +45,7 @@ class LengthDist(BaseModel):
 
     def sample(self, size: int, rng: np.random.Generator) -> np.ndarray:
         if self.dist == "lognormal":
+            assert self.mean is not None  # _check: lognormal needs a mean
             # mean of the lognormal = exp(mu + sigma^2 / 2)
             mu = math.log(self.mean) - self.sigma**2 / 2
             x = rng.lognormal(mu, self.sigma, size=size)

@@ -156,7 +156,7 @@ def measure_dtype(
         drafter.draft_to_target = drafter.draft_to_target.cpu()
     graphed = None
     if dev.type == "cuda" and backend == "triton" and not args.no_graphs:
-        from adaserve.model.graph_runner import install_draft_graphs
+        from adaserve.model.cuda_graphs import install_draft_graphs
 
         # steps 2..d are the drafter's launch-bound part: the server's GPU path replays them
         graphed = install_draft_graphs(

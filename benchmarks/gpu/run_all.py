@@ -473,7 +473,7 @@ def engine_generate(
 
 
 def draft_steps(run: Run, dev: torch.device, dtype: torch.dtype, backend: str) -> dict[str, Any]:
-    from adaserve.model.graph_runner import install_draft_graphs
+    from adaserve.model.cuda_graphs import install_draft_graphs
     from adaserve.speculate import BeamDrafter, DraftUpdate
 
     shape = "smoke-drafter" if run.args.smoke else "smollm2-135m"

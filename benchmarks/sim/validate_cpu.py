@@ -671,7 +671,15 @@ def main() -> int:
         for r, s in scales.items()
     )
     trace_lines = "\n".join(f"- {r} req/s: {describe_trace(t)}" for r, t in traces.items())
+    rerun = " ".join(
+        [
+            ".venv/bin/python benchmarks/sim/validate_cpu.py --reuse-real",
+            *(["--all-in-one"] if args.all_in_one else []),
+            f"--rps {args.rps} --duration {duration:g} --out {_rel(args.out)}",
+        ]
+    )
     text = (
+        f"Regenerate (from the real runs' `real-rps*/summary.json`): `{rerun}`.\n\n"
         f"Deployment: {report['mode']}.\n\n"
         "Overall, the three simulations against the real run (attainment: points; "
         "goodput: relative):\n\n"
@@ -693,6 +701,14 @@ def main() -> int:
     (args.out / "validation.md").write_text(text)
     print(text)
     return 0
+
+
+def _rel(path: Path) -> str:
+    """`path` relative to the repository when it is inside it (for the rerun command)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2
+from adaserve.request import FINISH_REASONS
+from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from adaserve.selection import (
     ORDERS,
     POLICIES,
@@ -34,6 +35,7 @@ F32 = np.dtype("<f4")
 
 _POLICY_TO_PB = {
     "adaserve": scheduler_pb2.SELECTION_POLICY_ADASERVE,
+    "paper": scheduler_pb2.SELECTION_POLICY_PAPER,
     "equal": scheduler_pb2.SELECTION_POLICY_EQUAL,
     "global": scheduler_pb2.SELECTION_POLICY_GLOBAL,
     "optimal": scheduler_pb2.SELECTION_POLICY_OPTIMAL,
@@ -45,6 +47,18 @@ _ORDER_TO_PB = {
 }
 _ORDER_FROM_PB = {v: k for k, v in _ORDER_TO_PB.items()}
 assert set(_POLICY_TO_PB) == set(POLICIES) and set(_ORDER_TO_PB) == set(ORDERS)
+
+
+_FINISH_TO_PB = {
+    None: verifier_pb2.FINISH_REASON_UNSPECIFIED,  # still running
+    "stop": verifier_pb2.FINISH_REASON_STOP,
+    "length": verifier_pb2.FINISH_REASON_LENGTH,
+    "abort": verifier_pb2.FINISH_REASON_ABORT,
+    "timeout": verifier_pb2.FINISH_REASON_TIMEOUT,
+    "error": verifier_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+assert set(_FINISH_TO_PB) == {None, *FINISH_REASONS}
 
 
 class WireError(ValueError):
@@ -62,6 +76,20 @@ def unpacked(buf: bytes, dtype: np.dtype, field: str) -> np.ndarray:
             f"{field}: {len(buf)} bytes is not a whole number of {dtype.itemsize}-byte values"
         )
     return np.frombuffer(buf, dtype=dtype)
+
+
+# ---- finish reasons -------------------------------------------------------------------
+
+
+def finish_reason_to_pb(reason: str | None) -> int:
+    """The wire enum of an engine finish reason (None: the stream goes on)."""
+    return _FINISH_TO_PB[reason]
+
+
+def finish_reason_from_pb(value: int) -> str | None:
+    """The finish reason of a wire enum: None for UNSPECIFIED (the stream goes on); a
+    value this build does not know (a newer server) reads as "error"."""
+    return _FINISH_FROM_PB.get(value, "error")
 
 
 # ---- trees ----------------------------------------------------------------------------

@@ -57,7 +57,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `adaserve verifier --help` never pays for torch.
-    from adaserve.engine_build import build_engine
     from adaserve.model.loader import (
         ModelNotFoundError,
         UnsupportedModelError,
@@ -69,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common import tls
     from services.common.server import run_until_signal
     from services.verifier.server import build_server
+    from services.verifier.wiring import build_engine
 
     logs.configure(args.log_level)
     # Models are loaded, warmed up and run on this one thread (adaserve/torch_thread.py).

@@ -24,6 +24,7 @@ from adaserve.engine import Engine, EngineFull
 from adaserve.request import GenerationRequest, SamplingParams, TokenDelta
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
+from services.common.convert import finish_reason_to_pb
 from services.common.server import GrpcServer, Service
 
 log = logging.getLogger("adaserve.verifier")
@@ -31,15 +32,6 @@ log = logging.getLogger("adaserve.verifier")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
 CUSTOM_SLO_CLASS = "custom"
 RETRY_AFTER_S = 1
-
-_FINISH = {
-    None: vpb.FINISH_REASON_UNSPECIFIED,
-    "stop": vpb.FINISH_REASON_STOP,
-    "length": vpb.FINISH_REASON_LENGTH,
-    "abort": vpb.FINISH_REASON_ABORT,
-    "timeout": vpb.FINISH_REASON_TIMEOUT,
-    "error": vpb.FINISH_REASON_ERROR,
-}
 
 
 class VerifierServicer(vgrpc.VerifierServicer):
@@ -230,7 +222,7 @@ def _chunk(delta: TokenDelta, slo: _SLO, t0: float) -> vpb.GenerateChunk:
     out = vpb.GenerateChunk(
         token_ids=delta.token_ids,
         text=delta.text,
-        finish_reason=_FINISH[delta.finish_reason],
+        finish_reason=finish_reason_to_pb(delta.finish_reason),
         num_prompt_tokens=delta.num_prompt_tokens,
         num_generated=delta.num_generated,
         tpot_slo_ms=slo.tpot_ms,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from adaserve.rpc.v1 import common_pb2 as adaserve_dot_rpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61\x64\x61serve/rpc/v1/scheduler.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1c\x61\x64\x61serve/rpc/v1/common.proto\"\xbc\x02\n\rSelectRequest\x12\x37\n\x08requests\x18\t \x01(\x0b\x32%.adaserve.rpc.v1.RequestProgressBatch\x12\x32\n\x05trees\x18\x02 \x01(\x0b\x32#.adaserve.rpc.v1.CandidateTreeBatch\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x03\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\x05\x12\x11\n\tt_spec_ms\x18\x05 \x01(\x01\x12\x30\n\x06policy\x18\x06 \x01(\x0e\x32 .adaserve.rpc.v1.SelectionPolicy\x12\x12\n\x05n_max\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12,\n\x05order\x18\x08 \x01(\x0e\x32\x1d.adaserve.rpc.v1.RequestOrderB\x08\n\x06_n_maxJ\x04\x08\x01\x10\x02R\x08progress\"n\n\x0eSelectResponse\x12-\n\tselection\x18\x01 \x01(\x0b\x32\x1a.adaserve.rpc.v1.Selection\x12-\n\x06timing\x18\x02 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ServerTiming\"8\n\x0bPlanRequest\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x06\x62udget\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\t\n\x07_budget\",\n\x0cPlanResponse\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\x05\x12\r\n\x05width\x18\x02 \x01(\x05*\xa9\x01\n\x0fSelectionPolicy\x12 \n\x1cSELECTION_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19SELECTION_POLICY_ADASERVE\x10\x01\x12\x1a\n\x16SELECTION_POLICY_EQUAL\x10\x02\x12\x1b\n\x17SELECTION_POLICY_GLOBAL\x10\x03\x12\x1c\n\x18SELECTION_POLICY_OPTIMAL\x10\x04*l\n\x0cRequestOrder\x12\x1d\n\x19REQUEST_ORDER_UNSPECIFIED\x10\x00\x12\x1e\n\x1aREQUEST_ORDER_DESCENDING_A\x10\x01\x12\x1d\n\x19REQUEST_ORDER_ASCENDING_A\x10\x02\x32\x9b\x01\n\tScheduler\x12I\n\x06Select\x12\x1e.adaserve.rpc.v1.SelectRequest\x1a\x1f.adaserve.rpc.v1.SelectResponse\x12\x43\n\x04Plan\x12\x1c.adaserve.rpc.v1.PlanRequest\x1a\x1d.adaserve.rpc.v1.PlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61\x64\x61serve/rpc/v1/scheduler.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1c\x61\x64\x61serve/rpc/v1/common.proto\"\xbc\x02\n\rSelectRequest\x12\x37\n\x08requests\x18\t \x01(\x0b\x32%.adaserve.rpc.v1.RequestProgressBatch\x12\x32\n\x05trees\x18\x02 \x01(\x0b\x32#.adaserve.rpc.v1.CandidateTreeBatch\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x03\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\x05\x12\x11\n\tt_spec_ms\x18\x05 \x01(\x01\x12\x30\n\x06policy\x18\x06 \x01(\x0e\x32 .adaserve.rpc.v1.SelectionPolicy\x12\x12\n\x05n_max\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12,\n\x05order\x18\x08 \x01(\x0e\x32\x1d.adaserve.rpc.v1.RequestOrderB\x08\n\x06_n_maxJ\x04\x08\x01\x10\x02R\x08progress\"n\n\x0eSelectResponse\x12-\n\tselection\x18\x01 \x01(\x0b\x32\x1a.adaserve.rpc.v1.Selection\x12-\n\x06timing\x18\x02 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ServerTiming\"8\n\x0bPlanRequest\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x06\x62udget\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\t\n\x07_budget\",\n\x0cPlanResponse\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\x05\x12\r\n\x05width\x18\x02 \x01(\x05*\xc5\x01\n\x0fSelectionPolicy\x12 \n\x1cSELECTION_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19SELECTION_POLICY_ADASERVE\x10\x01\x12\x1a\n\x16SELECTION_POLICY_EQUAL\x10\x02\x12\x1b\n\x17SELECTION_POLICY_GLOBAL\x10\x03\x12\x1c\n\x18SELECTION_POLICY_OPTIMAL\x10\x04\x12\x1a\n\x16SELECTION_POLICY_PAPER\x10\x05*l\n\x0cRequestOrder\x12\x1d\n\x19REQUEST_ORDER_UNSPECIFIED\x10\x00\x12\x1e\n\x1aREQUEST_ORDER_DESCENDING_A\x10\x01\x12\x1d\n\x19REQUEST_ORDER_ASCENDING_A\x10\x02\x32\x9b\x01\n\tScheduler\x12I\n\x06Select\x12\x1e.adaserve.rpc.v1.SelectRequest\x1a\x1f.adaserve.rpc.v1.SelectResponse\x12\x43\n\x04Plan\x12\x1c.adaserve.rpc.v1.PlanRequest\x1a\x1d.adaserve.rpc.v1.PlanResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaserve.rpc.v1.scheduler_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SELECTIONPOLICY']._serialized_start=618
-  _globals['_SELECTIONPOLICY']._serialized_end=787
-  _globals['_REQUESTORDER']._serialized_start=789
-  _globals['_REQUESTORDER']._serialized_end=897
+  _globals['_SELECTIONPOLICY']._serialized_end=815
+  _globals['_REQUESTORDER']._serialized_start=817
+  _globals['_REQUESTORDER']._serialized_end=925
   _globals['_SELECTREQUEST']._serialized_start=83
   _globals['_SELECTREQUEST']._serialized_end=399
   _globals['_SELECTRESPONSE']._serialized_start=401
@@ -44,6 +44,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLANREQUEST']._serialized_end=569
   _globals['_PLANRESPONSE']._serialized_start=571
   _globals['_PLANRESPONSE']._serialized_end=615
-  _globals['_SCHEDULER']._serialized_start=900
-  _globals['_SCHEDULER']._serialized_end=1055
+  _globals['_SCHEDULER']._serialized_start=928
+  _globals['_SCHEDULER']._serialized_end=1083
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,7 @@ class SelectionPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SELECTION_POLICY_EQUAL: _ClassVar[SelectionPolicy]
     SELECTION_POLICY_GLOBAL: _ClassVar[SelectionPolicy]
     SELECTION_POLICY_OPTIMAL: _ClassVar[SelectionPolicy]
+    SELECTION_POLICY_PAPER: _ClassVar[SelectionPolicy]
 
 class RequestOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ SELECTION_POLICY_ADASERVE: SelectionPolicy
 SELECTION_POLICY_EQUAL: SelectionPolicy
 SELECTION_POLICY_GLOBAL: SelectionPolicy
 SELECTION_POLICY_OPTIMAL: SelectionPolicy
+SELECTION_POLICY_PAPER: SelectionPolicy
 REQUEST_ORDER_UNSPECIFIED: RequestOrder
 REQUEST_ORDER_DESCENDING_A: RequestOrder
 REQUEST_ORDER_ASCENDING_A: RequestOrder

@@ -1,0 +1,132 @@
+"""The layering rule of docs/ARCHITECTURE.md: the core (`adaserve/` but the CLI layer,
+`adaserve/cli.py`, `adaserve/__main__.py` and `adaserve/commands/`, and the generated
+wire contract `adaserve/rpc/v1/`) imports no transport and no outer layer: no grpc, no
+`services`, no `gateway`, no web framework, and not the CLI layer (which would reach
+them). Every import counts, at any depth (inside functions and TYPE_CHECKING too)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "adaserve"
+OUTSIDE_CORE = ("cli.py", "__main__.py", "commands", "rpc/v1")
+FORBIDDEN = (
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "grpc_status",
+    "services",
+    "gateway",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "adaserve.cli",
+    "adaserve.commands",
+)
+
+
+def forbidden_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of a forbidden module in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from adaserve import cli` imports adaserve.cli
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN):
+                found.append((node.lineno, name))
+                break
+    return sorted(found)
+
+
+def core_modules() -> list[Path]:
+    skip = [CORE / p for p in OUTSIDE_CORE]
+    return sorted(
+        p
+        for p in CORE.rglob("*.py")
+        if not any(p == s or s in p.parents for s in skip) and "__pycache__" not in p.parts
+    )
+
+
+def test_the_checker_finds_every_kind_of_import() -> None:
+    src = """
+import numpy
+import grpc
+from services.drafter.client import GrpcDrafter
+def f():
+    import gateway.app
+    from fastapi import FastAPI
+from adaserve import cli
+from adaserve.commands import up
+import grpc_health.v1.health_pb2 as health
+from adaserve.tree import CandidateTree
+"""
+    assert [line for line, _ in forbidden_imports(src)] == [3, 4, 6, 7, 8, 9, 10]
+
+
+def test_the_core_has_many_modules() -> None:
+    names = {p.relative_to(CORE).as_posix() for p in core_modules()}
+    assert {"engine.py", "engine_build.py", "selection.py", "model/runner.py"} <= names
+    assert not {"cli.py", "commands/up.py", "rpc/v1/scheduler_pb2_grpc.py"} & names
+    assert len(names) > 60
+
+
+@pytest.mark.parametrize("path", core_modules(), ids=lambda p: p.relative_to(CORE).as_posix())
+def test_core_module_imports_no_transport(path: Path) -> None:
+    assert forbidden_imports(path.read_text(encoding="utf-8")) == []
+
+
+def test_remote_parts_come_only_from_the_transport_layer() -> None:
+    """The core refuses a drafter or scheduler address it has no client for, with the
+    way out in the message; services/verifier/wiring.py gives it the gRPC clients."""
+    from adaserve.config import Settings
+    from adaserve.engine_build import build_drafter, build_scheduler
+    from services.drafter.client import GrpcDrafter
+    from services.scheduler.client import GrpcScheduler
+    from services.verifier import wiring
+
+    s = Settings(
+        services={"drafter": "127.0.0.1:9", "scheduler": "127.0.0.1:9"},
+        engine={"speculation_timeout_ms": 300.0, "scheduler_timeout_ms": 150.0},
+    )
+    with pytest.raises(ValueError, match=r"services\.drafter .*services\.verifier\.wiring"):
+        build_drafter(s)
+    with pytest.raises(ValueError, match=r"services\.scheduler .*services\.verifier\.wiring"):
+        build_scheduler(s)
+    drafter, scheduler = wiring.build_drafter(s), wiring.build_scheduler(s)
+    try:  # gRPC channels connect lazily: nothing is dialled here
+        assert isinstance(drafter, GrpcDrafter) and isinstance(scheduler, GrpcScheduler)
+        assert drafter.address == scheduler.address == "127.0.0.1:9"
+        assert drafter.timeout_s == pytest.approx(0.3)
+        assert scheduler.timeout_s == pytest.approx(0.15)
+    finally:
+        drafter.close()
+        scheduler.close()
+
+
+def test_architecture_module_map_names_every_module() -> None:
+    """docs/ARCHITECTURE.md's module map has a line for every module of the three
+    packages (generated stubs and package __init__ files aside), so a new module
+    comes with its line."""
+    doc = (ROOT / "docs/ARCHITECTURE.md").read_text(encoding="utf-8")
+    start, end = doc.index("## Module map"), doc.index("## Glossary")
+    names = set(re.findall(r"`([\w/.]+\.py)`", doc[start:end]))
+    missing = []
+    for package in ("adaserve", "services", "gateway"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if path.name == "__init__.py" or "rpc" in rel.parts or "__pycache__" in rel.parts:
+                continue
+            full, inner = rel.as_posix(), rel.relative_to(package).as_posix()
+            if full not in names and inner not in names:
+                missing.append(full)
+    assert missing == []
