@@ -21,7 +21,8 @@ $(BIN)/python:
 STAMP := $(VENV)/.adaserve-installed
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(MAKE) install
+	@echo "installing adaserve into $(VENV) (first run: a few minutes)"
+	@$(MAKE) --no-print-directory install
 
 install: $(BIN)/python
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu

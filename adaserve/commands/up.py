@@ -8,6 +8,9 @@ until every one is healthy (gRPC health, then the gateway's /ready), prints the 
 and stops them all cleanly on Ctrl-C or SIGTERM. Each service runs in its own process
 group, so a verifier's tensor-parallel ranks go down with it, and a terminal Ctrl-C
 reaches only the launcher, which then stops the services in reverse order.
+
+Each service writes one log file in one format (JSON lines, or `--log-format text`)
+under `./logs/up-<date>-<time>/` (`--log-dir`); `./logs/latest` points at the newest.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,7 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one verifier with in-process drafter and scheduler",
     )
     parser.add_argument("--config", help="YAML settings file passed to every service")
-    parser.add_argument("--log-dir", help="service logs (default: a new temporary directory)")
+    parser.add_argument(
+        "--log-dir",
+        help="service logs, one file per service (default: ./logs/up-<date>-<time>/, "
+        "with ./logs/latest pointing at it)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default="json",
+        help="every service's log lines: JSON objects or plain text",
+    )
     parser.add_argument(
         "--startup-timeout",
         type=float,
@@ -124,6 +136,33 @@ class Service:
         return "\n".join(lines[-n:])
 
 
+def make_log_dir(requested: str | None, root: Path = Path("logs")) -> Path:
+    """The run's log directory: `requested`, or a new `root/up-<date>-<time>` with
+    `root/latest` pointing at it, so `tail -f logs/latest/verifier-0.log` follows the
+    newest run without looking up its name."""
+    if requested:
+        path = Path(requested)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(100):  # two launches in the same second get distinct directories
+        path = root / (f"up-{stamp}" if n == 0 else f"up-{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{root}/up-{stamp}-*: too many runs this second")
+    latest = root / "latest"
+    with contextlib.suppress(OSError):  # a convenience: never fail the launch over it
+        tmp = root / f".latest-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        tmp.replace(latest)  # atomic, also over an existing link
+    return path
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -134,6 +173,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     """The services to start, in start order (stopped in reverse)."""
     loop = "127.0.0.1"
     cfg = ["--config", args.config] if args.config else []
+    cfg += ["--log-format", args.log_format]
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     services: list[Service] = []
     verifiers: list[str] = []
@@ -314,8 +354,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"adaserve up: {exc}", file=sys.stderr)
         return 2
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="adaserve-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir = make_log_dir(args.log_dir)
+    except OSError as exc:
+        print(f"adaserve up: cannot create the log directory: {exc}", file=sys.stderr)
+        return 2
     services = plan(args, log_dir)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base = f"http://{shown}:{args.port}"

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from adaserve.config import Settings, load_settings
+from services.common import logs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=-1, help="Prometheus HTTP port; -1 disables it"
     )
     parser.add_argument("--config", help="YAML settings file")
-    parser.add_argument("--log-level", default="info")
+    logs.add_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -56,6 +57,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before torch and transformers are imported: progress bars are decided at import.
+    logs.configure(args.log_level, args.log_format)
     # Imported here so `adaserve verifier --help` never pays for torch.
     from adaserve.engine_build import build_engine
     from adaserve.model.loader import (
@@ -65,12 +68,10 @@ def run(args: argparse.Namespace) -> int:
         resolve_model,
     )
     from adaserve.torch_thread import torch_thread
-    from gateway import logs
     from services.common import tls
     from services.common.server import run_until_signal
     from services.verifier.server import build_server
 
-    logs.configure(args.log_level)
     # Models are loaded, warmed up and run on this one thread (adaserve/torch_thread.py).
     worker = torch_thread("adaserve-engine")
     try:
