@@ -180,7 +180,11 @@ async def _serve(
     gen = await gw.open(spec)
     assert gen.header is not None
     fmt = Formatter(spec.kind, spec.response_id, gen.header.model, include_usage)
-    headers = {"x-request-id": spec.client_request_id or spec.engine_id}
+    headers = {
+        "x-request-id": spec.client_request_id or spec.engine_id,
+        # Judged at admission, so known before the first token (and the status line).
+        "x-slo-best-effort": "true" if gen.header.best_effort else "false",
+    }
     if stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return _SSEResponse(gen, _events(gen, fmt), headers=headers)

@@ -198,6 +198,54 @@ def test_sse_wire_format(stack: Stack) -> None:
         assert json.loads(frame[len("data: ") :])["object"] == "text_completion"
 
 
+def _stream_frames(url: str, body: dict) -> tuple[httpx.Headers, list[dict]]:
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        frames = [
+            json.loads(line[len("data: ") :])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+        return r.headers, frames
+
+
+def test_unattainable_slo_is_flagged_before_any_token_and_in_the_final_chunk(
+    stack: Stack,
+) -> None:
+    """0.05 ms per token is below what this unit can give one request alone (its floor,
+    reported with the request): the response header says so before the first token,
+    and the final chunk's `slo` object carries the floor and the reason."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers, frames = _stream_frames(
+        f"{stack.url}/v1/chat/completions", body | {"tpot_slo_ms": 0.05}
+    )
+    assert headers["x-slo-best-effort"] == "true"
+    slo = frames[-1]["slo"]
+    assert slo["best_effort"] is True and slo["tpot_slo_ms"] == 0.05
+    assert slo["slo_floor_ms"] > 0.05 and "floor" in slo["reason"]
+    assert all("slo" not in f for f in frames[:-1])
+    headers, frames = _stream_frames(f"{stack.url}/v1/chat/completions", body)
+    assert headers["x-slo-best-effort"] == "false"
+    slo = frames[-1]["slo"]
+    assert slo["best_effort"] is False and slo["reason"] is None
+    assert slo["slo_class"] == "chat" and slo["tpot_slo_ms"] > slo["slo_floor_ms"] > 0
+    # The gRPC front carries the same verdict in every chunk.
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        req = gpb.CompleteRequest(
+            options=gpb.RequestOptions(model="tiny", max_tokens=3, tpot_slo_ms=0.05), text="x"
+        )
+        chunks = list(ggrpc.GatewayStub(ch).Complete(req, timeout=60))
+    assert all(c.best_effort and "floor" in c.best_effort_reason for c in chunks)
+    assert all(c.slo_floor_ms > 0.05 for c in chunks)
+
+
 def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
     ids = stack.tokenizer.encode("Hello there")
     ref = stack.reference(ids, 60)

@@ -84,6 +84,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 "max_tokens": req.sampling.max_tokens,
                 "tpot_slo_ms": tpot_slo_ms,
                 "slo_class": slo_class,
+                "best_effort": stream.verdict.best_effort,
             },
         )
         finished = False
@@ -92,6 +93,9 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 num_prompt_tokens=len(prompt),
                 tpot_slo_ms=tpot_slo_ms,
                 slo_class=slo_class,
+                best_effort=stream.verdict.best_effort,
+                slo_floor_ms=stream.verdict.floor_ms,
+                best_effort_reason=stream.verdict.reason or "",
                 server_elapsed_ms=_ms_since(t0),
             )
             async for delta in stream.aiter():
@@ -125,6 +129,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             speculative=info.speculative,
             vocab_size=int(getattr(self.engine.target, "vocab_size", 0)),
             eos_token_ids=list(info.eos_token_ids),
+            slo_floor_ms=info.slo_floor_ms,
         )
 
     async def Stats(
