@@ -66,3 +66,19 @@ def judge(tpot_slo_ms: float, floor_ms: float, floor_depth: int) -> SLOVerdict:
         f"tpot_slo_ms {tpot_slo_ms:g} is below this server's floor of {floor_ms:.3g} ms "
         f"per token, the best one request alone can expect ({how})",
     )
+
+
+def describe(
+    baseline_tpot_ms: float, classes_ms: dict[str, float], default_class: str, floor_ms: float
+) -> str:
+    """One line for logs and consoles: what the baseline came out as and what each SLO
+    class resolved to, e.g. `baseline TPOT 27.1 ms; SLO classes coding 32.5 ms, chat 54.1
+    ms (default), summarize 108.2 ms; floor 21.2 ms`."""
+    parts = [
+        f"{name} {ms:.1f} ms" + (" (default)" if name == default_class else "")
+        for name, ms in sorted(classes_ms.items(), key=lambda kv: (kv[1], kv[0]))
+    ]
+    return (
+        f"baseline TPOT {baseline_tpot_ms:.1f} ms; SLO classes {', '.join(parts) or 'none'}; "
+        f"floor {floor_ms:.1f} ms"
+    )

@@ -117,6 +117,28 @@ def test_models(stack: Stack) -> None:
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_slo_contract_is_published(stack: Stack) -> None:
+    """GET /v1/slo shows per unit the baseline (20 ms in the test config), what each
+    class resolved to (the built-in classes: coding 1.2x baseline, chat 50 ms, summarize
+    150 ms), the default class and the floor; /v1/models carries the same per model."""
+    (unit,) = httpx.get(f"{stack.url}/v1/slo", timeout=10).json()["data"]
+    assert unit["model"] == "tiny" and unit["unit"].startswith("127.0.0.1:")
+    assert unit["baseline_tpot_ms"] == 20.0 and unit["default_class"] == "chat"
+    assert unit["classes"] == {
+        "coding": {"tpot_ms": 24.0},
+        "chat": {"tpot_ms": 50.0},
+        "summarize": {"tpot_ms": 150.0},
+    }
+    assert unit["speculative"] is True
+    # A tiny model's 1-token step is far under the 21 ms (baseline x correction) the
+    # predictor starts from; speculation can only lower the floor further.
+    assert 0 < unit["slo_floor_ms"] <= 21.0
+    (model,) = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
+    expected = {k: v for k, v in unit.items() if k not in ("model", "unit", "slo_floor_ms")}
+    assert {k: v for k, v in model["slo"].items() if k != "slo_floor_ms"} == expected
+    assert model["slo"]["slo_floor_ms"] > 0
+
+
 def test_completion_greedy_equals_target(stack: Stack) -> None:
     prompt = "Once upon a time"
     out = stack.client().completions.create(

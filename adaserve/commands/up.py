@@ -305,6 +305,26 @@ class Launcher:
         return _grpc_serving(svc.grpc_address)
 
 
+def slo_lines(base: str) -> str:
+    """What the console should say once: each unit's measured baseline and the SLO each
+    class resolved to (from the gateway's /v1/slo); empty if it cannot be read."""
+    import httpx
+
+    from adaserve.slo import describe
+
+    try:
+        units = httpx.get(f"{base}/v1/slo", timeout=5.0).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return ""  # e.g. API keys configured: the URLs above still hold
+    lines = []
+    for u in units:
+        classes = {name: c["tpot_ms"] for name, c in u["classes"].items()}
+        text = describe(u["baseline_tpot_ms"], classes, u["default_class"], u["slo_floor_ms"])
+        where = f" ({u['unit']})" if len(units) > 1 else ""
+        lines.append(f"  SLOs{where:<8} {text}\n")
+    return "".join(lines) + f"  (GET {base}/v1/slo; SLOs below the floor run best-effort)\n"
+
+
 def _grpc_serving(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -382,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
             f"  gRPC API    {shown}:{grpc_port}\n"
             f"  metrics     {base}/metrics  (gateway)\n"
             f"{engine_metrics}"
+            f"{slo_lines(base)}"
             f"Press Ctrl-C to stop.",
             flush=True,
         )

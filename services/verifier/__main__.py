@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.torch_thread import torch_thread
     from services.common import tls
     from services.common.server import run_until_signal
-    from services.verifier.server import build_server
+    from services.verifier.server import build_server, log_slos
 
     # Models are loaded, warmed up and run on this one thread (adaserve/torch_thread.py).
     worker = torch_thread("adaserve-engine")
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # token-id prompts still work without one
         print(f"verifier: no tokenizer ({exc}); only token-id prompts", file=sys.stderr)
         tokenizer = None
+    log_slos(engine, settings)
     engine.start(worker)
     try:
         return run_until_signal(
