@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STOP_TIMEOUT_S = 10.0
+DEFAULT_METRICS_PORT = 9400  # services/verifier/__main__.py's default, for unit 0
 
 
 def service_env(base: os._Environ | dict[str, str], shared_cpu: bool = False) -> dict[str, str]:
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument(
         "--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free one)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="engine Prometheus port of verifier unit 0; unit k gets this + k (0: none)",
     )
     parser.add_argument(
         "--all-in-one",
@@ -195,13 +202,15 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
 
     def add_verifier(name: str, port: int, extra: list[str]) -> None:
         # The engine's metrics (iteration phases, spec decode, fallbacks) live in the
-        # verifier process, not behind the gateway's /metrics: give each its own port.
-        m_port = free_port()
+        # verifier process, not behind the gateway's /metrics: each unit has its own
+        # port, fixed so that a scrape config survives a restart.
+        m_port = metrics_ports(args)[len(verifiers)] if args.metrics_port else 0
         argv = ["verifier", "--host", loop, "--port", str(port), "--target", args.target]
         argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *extra]
+        url = f"http://{loop}:{m_port}/metrics" if m_port else None
         # Beside a drafter process, start once it has loaded: the verifier times the
         # hardware at startup.
-        add(name, argv, port, f"http://{loop}:{m_port}/metrics", settle_first=shared)
+        add(name, argv, port, url, settle_first=shared)
         verifiers.append(f"{loop}:{port}")
 
     if args.all_in_one:
@@ -228,6 +237,31 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         gw += ["--verifier", v]
     add("gateway", gw, None, settle_first=True)  # after the verifiers timed the hardware
     return services
+
+
+def metrics_ports(args: argparse.Namespace) -> list[int]:
+    """Unit k's engine metrics port: --metrics-port + k (none with --metrics-port 0)."""
+    if not args.metrics_port:
+        return []
+    return [args.metrics_port + k for k in range(args.verifier_units)]
+
+
+def check_ports(args: argparse.Namespace) -> str | None:
+    """The ports the user chose (or the defaults) that are already taken, before any
+    service starts: a clash otherwise shows only once a verifier has loaded its model."""
+    from services.common.ports import PortInUse, check_free
+
+    wanted = [(args.host, args.port, "--port N (make up: PORT=N)")]
+    if args.grpc_port:
+        wanted.append((args.host, args.grpc_port, "--grpc-port N (0: a free one)"))
+    hint = "--metrics-port N (unit k gets N + k; 0: no engine metrics)"
+    wanted += [("127.0.0.1", p, hint) for p in metrics_ports(args)]
+    for host, port, flag in wanted:
+        try:
+            check_free(host, port, flag)
+        except PortInUse as exc:
+            return str(exc)
+    return None
 
 
 class Launcher:
@@ -359,6 +393,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--tp must be >= 1"
     if not 0 < args.port < 65536:
         return "--port must be in 1..65535"
+    if not 0 <= args.grpc_port < 65536:
+        return "--grpc-port must be in 0..65535"
+    if args.metrics_port and not 0 < args.metrics_port + args.verifier_units <= 65536:
+        return "--metrics-port must leave room for one port per unit below 65536 (0: none)"
     return None
 
 
@@ -373,6 +411,9 @@ def run(args: argparse.Namespace) -> int:
         tls.configure(load_settings(args.config).tls)
     except (OSError, ValueError) as exc:
         print(f"adaserve up: {exc}", file=sys.stderr)
+        return 2
+    if (err := check_ports(args)) is not None:
+        print(f"adaserve up: {err}", file=sys.stderr)
         return 2
     try:
         log_dir = make_log_dir(args.log_dir)

@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Before torch and transformers are imported: progress bars are decided at import.
     logs.configure(args.log_level, args.log_format)
+    from services.common.ports import PortInUse, check_free
+
+    try:  # before the model loads: a clash is reported at once
+        check_free(args.host, args.port, "--port N")
+    except PortInUse as exc:
+        print(f"adaserve drafter: {exc}", file=sys.stderr)
+        return 2
     # Imported here so `adaserve drafter --help` never pays for torch.
     from adaserve.config import load_settings
     from adaserve.model.loader import load_runner

@@ -23,6 +23,13 @@ def run(args: argparse.Namespace) -> int:
     from services.scheduler.server import build_server
 
     logs.configure(args.log_level, args.log_format)
+    from services.common.ports import PortInUse, check_free
+
+    try:
+        check_free(args.host, args.port, "--port N")
+    except PortInUse as exc:
+        print(f"adaserve scheduler: {exc}", file=sys.stderr)
+        return 2
     settings = load_settings(args.config)
     try:
         tls.configure(settings.tls)
