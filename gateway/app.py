@@ -87,6 +87,7 @@ def create_app(
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorBody, "description": "invalid request"},
         401: {"model": ErrorBody, "description": "missing or wrong API key"},
+        404: {"model": ErrorBody, "description": "no such model (code model_not_found)"},
         413: {"model": ErrorBody, "description": "request body too large"},
         431: {"model": ErrorBody, "description": "request headers too large"},
         429: {"model": ErrorBody, "description": "engine full; see Retry-After"},
@@ -229,8 +230,6 @@ async def _serve(
 
 async def _events(gen: Generation, fmt: Formatter) -> AsyncIterator[str]:
     assert gen.header is not None
-    for obj in fmt.opening():
-        yield sse(obj)
     completion_tokens = 0
     try:
         async for chunk in gen.chunks():

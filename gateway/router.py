@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from adaserve.slo import describe
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, model_not_found
 from services.common.options import aio_channel
 
 log = logging.getLogger(__name__)
@@ -111,12 +111,7 @@ class Router:
         if model is not None and units:
             units = [u for u in units if u.info and u.info.served_model_name == model]
             if not units:
-                known = ", ".join(self.models()) or "none"
-                raise bad_request(
-                    f"model {model!r} does not exist; served models: {known}",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise model_not_found(model)
         units = [u for u in units if u.address not in exclude]
         if not units:
             raise APIError(

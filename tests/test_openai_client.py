@@ -268,6 +268,25 @@ def test_unattainable_slo_is_flagged_before_any_token_and_in_the_final_chunk(
     assert all(c.slo_floor_ms > 0.05 for c in chunks)
 
 
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+def test_first_sse_frame_carries_the_first_token(stack: Stack, kind: str) -> None:
+    """No empty opening frame: a client timing the first byte of the body measures the
+    real time to the first token. In chat, the role rides with the first text."""
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True}
+    if kind == "chat/completions":
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    _, frames = _stream_frames(f"{stack.url}/v1/{kind}", body)
+    first = frames[0]["choices"][0]
+    if kind == "chat/completions":
+        assert first["delta"]["role"] == "assistant" and first["delta"]["content"]
+        assert all("role" not in f["choices"][0]["delta"] for f in frames[1:])
+    else:
+        assert first["text"]
+
+
 def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
     ids = stack.tokenizer.encode("Hello there")
     ref = stack.reference(ids, 60)
@@ -301,7 +320,8 @@ def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
                     timeout=10,
                 )
             )
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.details() == "The model `nope` does not exist."
         with pytest.raises(grpc.RpcError) as info:
             list(
                 stub.Complete(
@@ -328,8 +348,19 @@ def test_bad_input_through_the_unit(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="abc", max_tokens=510)
     assert "context" in info.value.message
-    with pytest.raises(openai.BadRequestError) as info:
+    # OpenAI's and vLLM's answer, on both endpoints.
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="abc")
+    assert info.value.body == {
+        "message": "The model `gpt-4` does not exist.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(
+            model="gpt-4", messages=[{"role": "user", "content": "x"}], stream=True
+        )
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="")
