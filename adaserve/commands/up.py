@@ -415,6 +415,12 @@ def run(args: argparse.Namespace) -> int:
     if (err := check_ports(args)) is not None:
         print(f"adaserve up: {err}", file=sys.stderr)
         return 2
+    from adaserve.cpu_load import current, oversubscription
+
+    # Verifier units and their TP ranks compute at the same time; a drafter process
+    # waits while its verifier computes.
+    for warning in oversubscription(current(), args.verifier_units * args.tp):
+        print(f"adaserve up: warning: {warning}", file=sys.stderr, flush=True)
     try:
         log_dir = make_log_dir(args.log_dir)
     except OSError as exc:

@@ -80,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"adaserve verifier: {exc}", file=sys.stderr)
         return 2
+    from adaserve.cpu_load import current, oversubscription
+
+    # Before loading: the load average should not count our own model loading.
+    for warning in oversubscription(current(), computing_processes=args.tp or 1):
+        log.warning(warning)
     # Imported here so `adaserve verifier --help` never pays for torch.
     from adaserve.engine_build import build_engine
     from adaserve.model.loader import (
