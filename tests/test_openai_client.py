@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -563,3 +565,22 @@ def test_smollm2_chat_equals_its_own_greedy_output(tmp_path: Path) -> None:
     finally:
         gproc.stop()
         vproc.stop()
+
+
+def test_demo_against_the_stack(stack: Stack, tmp_path: Path) -> None:
+    """`adaserve demo` drives the server with the three classes and writes its table,
+    summary and two-panel plot (each class's own SLO, TPOT / SLO over the run)."""
+    argv = ["--url", stack.url, "--rps", "3", "--duration", "2", "--max-tokens-scale", "0.2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "adaserve.cli", "demo", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    slos = {name: g["tpot_slo_ms"] for name, g in summary["per_class"].items()}
+    assert slos and set(slos) <= {"coding", "chat", "summarize"}
+    assert all(g["slo_attainment"] is not None for g in summary["per_class"].values())
+    assert (tmp_path / "tpot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "TPOT p50/p90 ms" in r.stdout
