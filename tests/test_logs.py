@@ -34,11 +34,11 @@ def test_json_lines_carry_extra_fields_as_keys() -> None:
 
 
 def test_text_lines_are_time_level_logger_message_and_key_values() -> None:
-    line = logs.TextFormatter().format(_record(unit="a b", n=3, ok=True))
+    line = logs.TextFormatter().format(_record(unit="a b", n=3, ok=True, ms={"x": 1.5}))
     stamp, level, logger, rest = line.split(" ", 3)
     assert stamp.endswith("Z") and "T" in stamp
     assert (level, logger) == ("info", "adaserve.test:")
-    assert rest == 'unit up unit="a b" n=3 ok=true'
+    assert rest == 'unit up unit="a b" n=3 ok=true ms={"x":1.5}'
 
 
 def test_unknown_format_is_refused() -> None:

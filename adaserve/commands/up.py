@@ -355,7 +355,7 @@ def slo_lines(base: str) -> str:
         classes = {name: c["tpot_ms"] for name, c in u["classes"].items()}
         text = describe(u["baseline_tpot_ms"], classes, u["default_class"], u["slo_floor_ms"])
         where = f" ({u['unit']})" if len(units) > 1 else ""
-        lines.append(f"  SLOs{where:<8} {text}\n")
+        lines.append(f"  SLOs{where:<7} {text}\n")  # aligned with "  OpenAI API  "
     return "".join(lines) + f"  (GET {base}/v1/slo; SLOs below the floor run best-effort)\n"
 
 

@@ -71,8 +71,9 @@ class TextFormatter(logging.Formatter):
 
 
 def _value(v: object) -> str:
-    text = v if isinstance(v, str) else json.dumps(v, default=str, ensure_ascii=False)
-    return json.dumps(text, ensure_ascii=False) if (" " in text or text == "") else text
+    if not isinstance(v, str):  # compact JSON: a dict stays one unquoted token
+        return json.dumps(v, default=str, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(v, ensure_ascii=False) if (" " in v or v == "") else v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
