@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 
 from adaserve import metrics
-from adaserve.adaptive import AcceptanceEstimate, plan_depth_width, slack_plan
+from adaserve.adaptive import AcceptanceEstimate, SLOFloor, plan_depth_width, slack_plan, slo_floor
 from adaserve.checks import check_selection, check_trees
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
@@ -36,7 +36,7 @@ from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import RequestProgress, Selection, SelectionParams
-from adaserve.slo import required_accepted
+from adaserve.slo import SLOVerdict, judge, required_accepted
 from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
 from adaserve.target import TargetModel, VerifyItem
 from adaserve.tree import CandidateTree
@@ -60,6 +60,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     baseline_tpot_ms: float
     speculative: bool
+    slo_floor_ms: float  # the best TPOT one request alone can expect (Engine.slo_floor)
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,12 @@ class EngineStats:
 
 class RequestStream:
     """Deltas of one request, produced by the engine thread, consumed by one reader
-    (blocking `get` or `async for ... in stream.aiter()`)."""
+    (blocking `get` or `async for ... in stream.aiter()`). `verdict` is admission's
+    judgement of the request's SLO, known from submit on."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, verdict: SLOVerdict) -> None:
         self.request_id = request_id
+        self.verdict = verdict
         self._q: queue.SimpleQueue[TokenDelta] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
@@ -237,18 +240,15 @@ class Engine:
         self._validate(req)
         if self._inbox.qsize() + len(self._waiting) >= self.settings.engine.max_queue:
             raise EngineFull("server is at capacity: too many queued requests")
-        if self.settings.engine.unattainable_slo == "reject" and (
-            req.tpot_slo_ms < (floor := self._slo_floor_ms())
-        ):
-            raise SLOUnattainable(
-                f"tpot_slo_ms {req.tpot_slo_ms:g} is below this deployment's floor "
-                f"({floor:.3g} ms per token)"
-            )
+        floor = self.slo_floor()
+        verdict = judge(req.tpot_slo_ms, floor.tpot_ms, floor.depth)
+        if verdict.best_effort and self.settings.engine.unattainable_slo == "reject":
+            raise SLOUnattainable(verdict.reason)
         with self._live_lock:
             if req.id in self._live_ids:
                 raise ValueError(f"request id {req.id!r} is already in flight")
             self._live_ids.add(req.id)
-        stream = RequestStream(req.id)
+        stream = RequestStream(req.id, verdict)
         self._inbox.put(("submit", (req, stream, self.clock())))
         self._wake.set()
         return stream
@@ -275,6 +275,7 @@ class Engine:
             eos_token_ids=tuple(self.target.eos_token_ids),
             baseline_tpot_ms=self.baseline_tpot_ms,
             speculative=self.drafter is not None,
+            slo_floor_ms=self.slo_floor().tpot_ms,
         )
 
     def start(self, executor: Executor | None = None) -> None:
@@ -652,16 +653,20 @@ class Engine:
         metrics.num_waiting.set(len(self._waiting))
         return now - t0
 
-    def _slo_floor_ms(self) -> float:
-        """Plain decoding's per-token latency divided by the most tokens one iteration
-        can emit: no SLO below it can ever be met."""
-        depth_max = self.settings.scheduler.adaptive.d_max if self.drafter is not None else 0
-        return self.tspec.predict_ms(1) / (depth_max + 1)
+    def slo_floor(self) -> SLOFloor:
+        """The best TPOT one request alone can expect now (adaptive.slo_floor), from the
+        predicted 1-token iteration and the plan's cost model and acceptance (learned,
+        where it is). Read from any thread: submit judges each SLO with it."""
+        a = self._adaptive()
+        depth_max = 0
+        if self.drafter is not None:
+            depth_max = a.fixed_depth if a.policy == "fixed" else a.d_max
+        return slo_floor(self.tspec.predict_ms(1), self.settings.scheduler.budget, a, depth_max)
 
     def _judge_best_effort(self, r: _Request) -> bool:
-        """An unattainable SLO (policy `best_effort`; `reject` refused it at submit) is
-        served best-effort and flagged, not refused."""
-        if r.req.tpot_slo_ms < self._slo_floor_ms():
+        """An unattainable SLO (judged at submit; policy `best_effort`, as `reject`
+        refused it there) is served best-effort and flagged, not refused."""
+        if r.stream.verdict.best_effort:
             metrics.best_effort_total.labels(r.req.slo_class or "custom").inc()
             return True
         return False
