@@ -1,4 +1,5 @@
-# adaserve developer entry points. `make install` then `make test`.
+# adaserve developer entry points. `make install` then `make test`; `make help` lists
+# the targets and the variables they take (e.g. `make up PORT=8080`).
 SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
@@ -9,7 +10,19 @@ PROTO_FILES := $(wildcard protos/adaserve/rpc/v1/*.proto)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install proto proto-check lint test test-fast up clean
+.PHONY: help install proto proto-check lint test test-fast up clean
+
+help:
+	@echo "make install      .venv with CPU torch first, then adaserve[dev]"
+	@echo "make test         proto-stub freshness, ruff, the whole pytest suite"
+	@echo "make test-fast    skips tests marked slow"
+	@echo "make up           every service on localhost with the embedded model pair"
+	@echo "                  PORT=N       gateway HTTP port (default 8000)"
+	@echo "                  UP_ARGS=...  more flags for adaserve up, e.g."
+	@echo "                               UP_ARGS='--metrics-port 9500 --log-format text'"
+	@echo "make proto        regenerate gRPC stubs after editing protos/"
+	@echo "make lint         ruff check + ruff format --check"
+	@echo "make clean        remove .venv and caches"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +34,8 @@ $(BIN)/python:
 STAMP := $(VENV)/.adaserve-installed
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(MAKE) install
+	@echo "installing adaserve into $(VENV) (first run: a few minutes)"
+	@$(MAKE) --no-print-directory install
 
 install: $(BIN)/python
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
@@ -52,8 +66,9 @@ test: $(STAMP) proto-check lint
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# PORT: the gateway's HTTP port; UP_ARGS: any other `adaserve up` flags.
 up: $(STAMP)
-	$(BIN)/adaserve up --target embedded --drafter embedded --config configs/embedded-cpu.yaml --port $(or $(PORT),8000)
+	$(BIN)/adaserve up --target embedded --drafter embedded --config configs/embedded-cpu.yaml --port $(or $(PORT),8000) $(UP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -145,6 +145,35 @@ def slack_plan(
     return tight, int(d[ok][np.argmin(tight_tpot[ok])])
 
 
+@dataclass(frozen=True)
+class SLOFloor:
+    """The best TPOT one request alone can expect from this deployment."""
+
+    tpot_ms: float  # predicted iteration time / expected tokens per iteration
+    depth: int  # the chain depth that gives it (0: plain decoding)
+
+
+def slo_floor(t_plain_ms: float, budget: int, s: AdaptiveSettings, depth_max: int) -> SLOFloor:
+    """min over d in [0, depth_max] of t(d) / sum(alpha^j, j = 0..d): a request alone,
+    drafted d steps deep, waits t(d) = t_plain (B + 1 + d + d (c + c_n)) / (B + 1) per
+    iteration (cost_depth's model: a verify of its root and d chain tokens plus d draft
+    steps) and gets the bonus token plus each drafted token with probability alpha^j.
+
+    No SLO below it can be expected to hold, even on an idle server. The old floor,
+    t_plain / (d_max + 1), assumed every draft token accepted and every draft step free.
+    Without a cost model (`draft_cost_tokens` None) draft steps count as free here too,
+    so the floor stays a lower bound of what the engine plans. `depth_max` 0 (no
+    drafter) gives t_plain."""
+    d = np.arange(0, max(depth_max, 0) + 1)
+    per_step = 0.0
+    if s.draft_cost_tokens is not None:
+        per_step = s.draft_cost_tokens + s.draft_cost_tokens_per_request
+    iteration_ms = t_plain_ms * (budget + 1 + d * (1 + per_step)) / (budget + 1)
+    tpot = iteration_ms / _chain_tokens(d, s)
+    best = int(np.argmin(tpot))
+    return SLOFloor(float(tpot[best]), int(d[best]))
+
+
 def _clip(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 

@@ -8,6 +8,7 @@ torch and `adaserve --help` is instant. Each module exposes
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import sys
 
@@ -29,6 +30,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("adaserve.commands.bench", "benchmarks against a running server"),
     "demo": ("adaserve.commands.demo", "drive a running server with a mixed SLO workload"),
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default (options without help text included),
+    except where there is none to show (None, an unset flag, an empty list) or the help
+    text already says it."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        if action.help is None and action.option_strings and _has_default(action):
+            action = copy.copy(action)  # the parser's own action stays as it is
+            action.help = "(default: %(default)s)"
+        super().add_argument(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "").lower() or not _has_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _has_default(action: argparse.Action) -> bool:
+    d = action.default
+    return not (d is None or d is False or d is argparse.SUPPRESS or d == [])
 
 
 def _usage() -> str:
@@ -60,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"adaserve: command {name!r} is not available in this build", file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(prog=f"adaserve {name}", description=desc)
+    parser = argparse.ArgumentParser(
+        prog=f"adaserve {name}", description=desc, formatter_class=HelpFormatter
+    )
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     return int(module.run(args) or 0)

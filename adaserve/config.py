@@ -165,9 +165,10 @@ class EngineSettings(BaseModel):
     speculation_timeout_ms: PositiveFloat = 500.0
     scheduler_timeout_ms: PositiveFloat = 200.0
     speculation: bool = True
-    # A TPOT SLO below the deployment's floor (baseline per-token latency / (d_max + 1))
-    # can never be met: serve it best-effort, flagged in the response and metrics
-    # (default), or refuse it at admission with 400 / INVALID_ARGUMENT.
+    # A TPOT SLO below the deployment's floor (the best TPOT one request alone can
+    # expect: adaptive.slo_floor, judged when the request is submitted) is not expected
+    # to hold: serve it best-effort, flagged in the response and metrics (default), or
+    # refuse it at admission with 400 / INVALID_ARGUMENT.
     unattainable_slo: Literal["best_effort", "reject"] = "best_effort"
 
 

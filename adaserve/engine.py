@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 
 from adaserve import metrics
-from adaserve.adaptive import AcceptanceEstimate, plan_depth_width, slack_plan
+from adaserve.adaptive import AcceptanceEstimate, SLOFloor, plan_depth_width, slack_plan, slo_floor
 from adaserve.batching import BatchLimits, BatchPlan, Decoding, Prefilling, form_batch
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
@@ -42,7 +42,7 @@ from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import RequestProgress, Selection, SelectionParams
-from adaserve.slo import required_accepted
+from adaserve.slo import SLOVerdict, judge, required_accepted
 from adaserve.speculate import Drafter, DraftUpdate
 from adaserve.stream import RequestStream
 from adaserve.target import PrefillChunk, TargetModel, VerifyItem
@@ -74,6 +74,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     baseline_tpot_ms: float
     speculative: bool
+    slo_floor_ms: float  # the best TPOT one request alone can expect (Engine.slo_floor)
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,9 @@ class Engine:
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
         self._optimal_invalid_logged = False
+        # (TTFT deadline s, prompt tokens left) of every prompt waiting for or in prefill,
+        # republished by the loop thread each step: submit reads it to judge a TTFT SLO.
+        self._prefill_queue: tuple[tuple[float, int], ...] = ()
         self._thread: threading.Thread | None = None
         self._loop_done: Future | None = None
         self._stop = threading.Event()
@@ -245,18 +249,14 @@ class Engine:
         self._validate(req)
         if self._inbox.qsize() + len(self._waiting) >= self.settings.engine.max_queue:
             raise EngineFull("server is at capacity: too many queued requests")
-        if self.settings.engine.unattainable_slo == "reject" and (
-            req.tpot_slo_ms < (floor := self._slo_floor_ms())
-        ):
-            raise SLOUnattainable(
-                f"tpot_slo_ms {req.tpot_slo_ms:g} is below this deployment's floor "
-                f"({floor:.3g} ms per token)"
-            )
+        verdict = self._judge(req)
+        if verdict.best_effort and self.settings.engine.unattainable_slo == "reject":
+            raise SLOUnattainable(verdict.reason)
         with self._live_lock:
             if req.id in self._live_ids:
                 raise ValueError(f"request id {req.id!r} is already in flight")
             self._live_ids.add(req.id)
-        stream = RequestStream(req.id)
+        stream = RequestStream(req.id, verdict)
         self._inbox.put(("submit", (req, stream, self.clock())))
         self._wake.set()
         return stream
@@ -285,6 +285,7 @@ class Engine:
             eos_token_ids=tuple(self.target.eos_token_ids),
             baseline_tpot_ms=self.baseline_tpot_ms,
             speculative=self.drafter is not None,
+            slo_floor_ms=self.slo_floor().tpot_ms,
         )
 
     def start(self, executor: Executor | None = None) -> None:
@@ -329,6 +330,11 @@ class Engine:
         self._drain_inbox()
         self._expire_deadlines()
         self._admit()
+        self._prefill_queue = tuple(
+            (r.ttft_deadline, r.num_prompt - r.prefilled)
+            for r in [*self._waiting, *self._running.values()]
+            if r.prefilling
+        )
         if not self._running:
             self._flush_releases()
             return
@@ -677,30 +683,46 @@ class Engine:
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
 
-    def _slo_floor_ms(self) -> float:
-        """Plain decoding's per-token latency divided by the most tokens one iteration
-        can emit: no SLO below it can ever be met."""
-        depth_max = self.settings.scheduler.adaptive.d_max if self.drafter is not None else 0
-        return self.tspec.predict_ms(1) / (depth_max + 1)
+    def slo_floor(self) -> SLOFloor:
+        """The best TPOT one request alone can expect now (adaptive.slo_floor), from the
+        predicted 1-token iteration and the plan's cost model and acceptance (learned,
+        where it is). Read from any thread: submit judges each SLO with it."""
+        a = self._adaptive()
+        depth_max = 0
+        if self.drafter is not None:
+            depth_max = a.fixed_depth if a.policy == "fixed" else a.d_max
+        return slo_floor(self.tspec.predict_ms(1), self.settings.scheduler.budget, a, depth_max)
+
+    def _judge(self, req: GenerationRequest) -> SLOVerdict:
+        """Admission's judgement, at submit (before any token): a TPOT SLO below the
+        floor, or a TTFT SLO shorter than prefilling this prompt and those due before it
+        takes at the best prefill rate this deployment reaches, is served best-effort."""
+        floor = self.slo_floor()
+        verdict = judge(req.tpot_slo_ms, floor.tpot_ms, floor.depth)
+        ttft = req.ttft_slo_ms
+        if verdict.best_effort or ttft is None:
+            return verdict
+        deadline = self.clock() + ttft / 1000.0
+        ahead = sum(left for due, left in self._prefill_queue if due <= deadline)
+        n = self.settings.engine.max_batch_tokens
+        need_ms = (ahead + len(req.prompt_token_ids)) * self.latency.predict_ms(0, n) / n
+        if need_ms <= ttft:
+            return verdict
+        return SLOVerdict(
+            True,
+            floor.tpot_ms,
+            f"ttft_slo_ms {ttft:g} is below the ~{need_ms:.0f} ms this server needs to "
+            f"prefill this prompt ({len(req.prompt_token_ids)} tokens) and the {ahead} "
+            "prompt tokens due before it",
+        )
 
     def _judge_best_effort(self, r: _Request) -> bool:
-        """An unattainable SLO (policy `best_effort`; `reject` refused it at submit) is
-        served best-effort and flagged, not refused: a TPOT below the floor, or a TTFT
-        that the prompts ahead of this one cannot leave room for."""
-        unattainable = r.req.tpot_slo_ms < self._slo_floor_ms()
-        ttft = r.req.ttft_slo_ms
-        if ttft is not None and not unattainable:
-            ahead = sum(
-                q.num_prompt - q.prefilled
-                for q in [*self._waiting, *self._running.values()]
-                if q.prefilling and q.ttft_deadline <= r.ttft_deadline
-            )
-            n = self.settings.engine.max_batch_tokens
-            per_token = self.latency.predict_ms(0, n) / n  # the best prefill rate
-            unattainable = (ahead + r.num_prompt) * per_token > ttft
-        if unattainable:
+        """An unattainable SLO (judged at submit; policy `best_effort`, as `reject`
+        refused it there) is served best-effort and flagged, not refused."""
+        if r.stream.verdict.best_effort:
             metrics.best_effort_total.labels(r.req.slo_class or "custom").inc()
-        return unattainable
+            return True
+        return False
 
     def _max_tree_nodes(self) -> int:
         if self.drafter is None:

@@ -13,6 +13,8 @@ keeps the request on track.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -41,3 +43,42 @@ def slo_targets(
     """(A, A_cap), both float64 [n]."""
     a = required_accepted(elapsed_ms, decoded, tpot_slo_ms, t_spec_ms)
     return a, capped(a, depth)
+
+
+@dataclass(frozen=True)
+class SLOVerdict:
+    """Admission's judgement of a request's TPOT SLO, made when it is submitted (before
+    any token), so the first message of its stream can carry it."""
+
+    best_effort: bool  # below the floor: served, but the SLO is not expected to hold
+    floor_ms: float  # the best TPOT one request alone can expect (adaptive.slo_floor)
+    reason: str | None = None  # why it is best-effort, for the response
+
+
+def judge(tpot_slo_ms: float, floor_ms: float, floor_depth: int) -> SLOVerdict:
+    """Best-effort exactly when the SLO is below the floor."""
+    if tpot_slo_ms >= floor_ms:
+        return SLOVerdict(False, floor_ms)
+    how = f"draft depth {floor_depth}" if floor_depth else "plain decoding"
+    return SLOVerdict(
+        True,
+        floor_ms,
+        f"tpot_slo_ms {tpot_slo_ms:g} is below this server's floor of {floor_ms:.3g} ms "
+        f"per token, the best one request alone can expect ({how})",
+    )
+
+
+def describe(
+    baseline_tpot_ms: float, classes_ms: dict[str, float], default_class: str, floor_ms: float
+) -> str:
+    """One line for logs and consoles: what the baseline came out as and what each SLO
+    class resolved to, e.g. `baseline TPOT 27.1 ms; SLO classes coding 32.5 ms, chat 54.1
+    ms (default), summarize 108.2 ms; floor 21.2 ms`."""
+    parts = [
+        f"{name} {ms:.1f} ms" + (" (default)" if name == default_class else "")
+        for name, ms in sorted(classes_ms.items(), key=lambda kv: (kv[1], kv[0]))
+    ]
+    return (
+        f"baseline TPOT {baseline_tpot_ms:.1f} ms; SLO classes {', '.join(parts) or 'none'}; "
+        f"floor {floor_ms:.1f} ms"
+    )

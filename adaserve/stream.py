@@ -7,14 +7,17 @@ import queue
 from collections.abc import AsyncIterator
 
 from adaserve.request import TokenDelta
+from adaserve.slo import SLOVerdict
 
 
 class RequestStream:
     """Deltas of one request, produced by the engine thread, consumed by one reader
-    (blocking `get` or `async for ... in stream.aiter()`)."""
+    (blocking `get` or `async for ... in stream.aiter()`). `verdict` is admission's
+    judgement of the request's SLO, known from submit on."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, verdict: SLOVerdict) -> None:
         self.request_id = request_id
+        self.verdict = verdict
         self._q: queue.SimpleQueue[TokenDelta] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None

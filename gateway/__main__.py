@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from adaserve.config import load_settings
+from services.common import logs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,18 +29,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="resolve NAME (a headless Service) to all its addresses every health interval",
     )
     parser.add_argument("--config", help="YAML settings file")
-    parser.add_argument("--log-level", default="info")
+    logs.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway import logs
     from gateway.app import create_app
     from services.common import tls
     from services.common.server import new_event_loop
 
-    logs.configure(args.log_level)
+    logs.configure(args.log_level, args.log_format)
+    from services.common.ports import PortInUse, check_free
+
+    try:
+        check_free(args.host, args.port, "--port N")
+        if args.grpc_port > 0:
+            check_free(args.host, args.grpc_port, "--grpc-port N (-1 turns the gRPC front off)")
+    except PortInUse as exc:
+        print(f"adaserve gateway: {exc}", file=sys.stderr)
+        return 2
     try:
         settings = load_settings(args.config)
         tls.configure(settings.tls)  # to the units; the public fronts stay as they are

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from adaserve.config import Settings
+from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway import spec as specs
 from gateway.auth import ApiKeys
 from gateway.core import Gateway, Generation
@@ -86,6 +87,7 @@ def create_app(
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorBody, "description": "invalid request"},
         401: {"model": ErrorBody, "description": "missing or wrong API key"},
+        404: {"model": ErrorBody, "description": "no such model (code model_not_found)"},
         413: {"model": ErrorBody, "description": "request body too large"},
         431: {"model": ErrorBody, "description": "request headers too large"},
         429: {"model": ErrorBody, "description": "engine full; see Retry-After"},
@@ -119,20 +121,36 @@ def create_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
+        """OpenAI's model list, plus each model's max_model_len and `slo` (as in
+        /v1/slo, from the first of its healthy units by address)."""
         router: Router = request.app.state.gateway.router
-        seen: dict[str, int] = {}
-        for unit in router.healthy():
+        seen: dict[str, vpb.InfoResponse] = {}
+        for unit in sorted(router.healthy(), key=lambda u: u.address):
             if unit.info:
-                seen.setdefault(unit.info.served_model_name, unit.info.max_model_len)
+                seen.setdefault(unit.info.served_model_name, unit.info)
         data = [
             {
                 "id": name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "adaserve",
-                "max_model_len": max_len,
+                "max_model_len": info.max_model_len,
+                "slo": slo_info(info),
             }
-            for name, max_len in sorted(seen.items())
+            for name, info in sorted(seen.items())
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/slo")
+    async def slo(request: Request) -> dict[str, Any]:
+        """Per healthy unit: the baseline TPOT it measured (or was given), the TPOT
+        each SLO class resolved to, the default class, and its SLO floor (the best TPOT
+        one request alone can expect; SLOs below it are served best-effort)."""
+        router: Router = request.app.state.gateway.router
+        data = [
+            {"model": u.info.served_model_name, "unit": u.address, **slo_info(u.info)}
+            for u in sorted(router.healthy(), key=lambda u: u.address)
+            if u.info
         ]
         return {"object": "list", "data": data}
 
@@ -166,6 +184,19 @@ def create_app(
     return app
 
 
+def slo_info(info: vpb.InfoResponse) -> dict[str, Any]:
+    """A unit's SLO contract as /v1/slo and /v1/models show it."""
+    return {
+        "baseline_tpot_ms": round(info.baseline_tpot_ms, 3),
+        "default_class": info.default_slo_class,
+        "classes": {
+            name: {"tpot_ms": round(ms, 3)} for name, ms in sorted(info.slo_classes.items())
+        },
+        "slo_floor_ms": round(info.slo_floor_ms, 3),
+        "speculative": info.speculative,
+    }
+
+
 def _build(gw: Gateway, endpoint: str, make: Any) -> specs.GenerateSpec:
     try:
         return make()
@@ -180,7 +211,11 @@ async def _serve(
     gen = await gw.open(spec)
     assert gen.header is not None
     fmt = Formatter(spec.kind, spec.response_id, gen.header.model, include_usage)
-    headers = {"x-request-id": spec.client_request_id or spec.engine_id}
+    headers = {
+        "x-request-id": spec.client_request_id or spec.engine_id,
+        # Judged at admission, so known before the first token (and the status line).
+        "x-slo-best-effort": "true" if gen.header.best_effort else "false",
+    }
     if stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return _SSEResponse(gen, _events(gen, fmt), headers=headers)
@@ -195,8 +230,6 @@ async def _serve(
 
 async def _events(gen: Generation, fmt: Formatter) -> AsyncIterator[str]:
     assert gen.header is not None
-    for obj in fmt.opening():
-        yield sse(obj)
     completion_tokens = 0
     try:
         async for chunk in gen.chunks():

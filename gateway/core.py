@@ -35,6 +35,9 @@ class Header:
     num_prompt_tokens: int
     tpot_slo_ms: float
     slo_class: str
+    best_effort: bool = False  # the SLO is below the unit's floor (judged at admission)
+    slo_floor_ms: float | None = None  # None: a unit that does not report it
+    best_effort_reason: str | None = None
     ttft_slo_ms: float | None = None
 
 
@@ -137,8 +140,12 @@ class Generation:
             num_prompt_tokens=first.num_prompt_tokens,
             tpot_slo_ms=first.tpot_slo_ms,
             slo_class=first.slo_class or spec.metrics_class,
+            best_effort=first.best_effort,
+            slo_floor_ms=first.slo_floor_ms or None,
+            best_effort_reason=first.best_effort_reason or None,
             ttft_slo_ms=first.ttft_slo_ms or None,
         )
+        self.best_effort = first.best_effort
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Token chunks in order; the last has finish_reason set. Raises APIError when
@@ -160,7 +167,7 @@ class Generation:
                 self.status = 500
                 raise APIError(500, f"generation failed: {msg.error or 'engine error'}")
             self.times.on_tokens(time.monotonic(), len(msg.token_ids))
-            # Judged at admission, after prefill: known from the first token chunk on.
+            # Judged at submit and carried by the header; chunks repeat it.
             self.best_effort |= msg.best_effort
             if self.gw.settings.log_prompts:
                 self._text.append(msg.text)
@@ -173,14 +180,17 @@ class Generation:
                 return
 
     def slo_summary(self) -> dict[str, object]:
-        """adaserve's extra response field: the SLO the request ran under and whether
-        it was served best-effort (OpenAI clients ignore unknown fields)."""
+        """adaserve's extra response field: the SLO the request ran under, whether it
+        was served best-effort and why, and the unit's floor (the best TPOT one request
+        alone can expect there). OpenAI clients ignore unknown fields."""
         h = self.header
         return {
             "tpot_slo_ms": h.tpot_slo_ms if h else None,
             "ttft_slo_ms": h.ttft_slo_ms if h else None,
             "slo_class": h.slo_class if h else None,
             "best_effort": self.best_effort,
+            "slo_floor_ms": _round(h.slo_floor_ms) if h else None,
+            "reason": h.best_effort_reason if h else None,
         }
 
     async def aclose(self) -> None:
@@ -237,6 +247,10 @@ class Generation:
             ]
             fields["completion"] = "".join(self._text)
         log.info("request finished", extra=fields)
+
+
+def _round(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
 
 
 def _ms(seconds: float) -> float:

@@ -47,16 +47,22 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        error_type: str | None = None,
     ) -> None:
+        """`error_type` overrides the OpenAI type the status implies (OpenAI answers an
+        unknown model 404 with type invalid_request_error)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self._type = error_type
 
     @property
     def type(self) -> str:
+        if self._type is not None:
+            return self._type
         return _TYPES.get(
             self.status, "server_error" if self.status >= 500 else "invalid_request_error"
         )
@@ -83,6 +89,17 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    """OpenAI's (and vLLM's) answer to an unknown `model`, word for word."""
+    return APIError(
+        404,
+        f"The model `{model}` does not exist.",
+        param="model",
+        code="model_not_found",
+        error_type="invalid_request_error",
+    )
 
 
 def from_validation(first: Mapping[str, Any], skip: tuple[str, ...] = ()) -> APIError:

@@ -99,6 +99,8 @@ class GatewayServicer(ggrpc.GatewayServicer):
                     text=c.text,
                     best_effort=gen.best_effort,
                     tpot_slo_ms=h.tpot_slo_ms,
+                    slo_floor_ms=h.slo_floor_ms or 0.0,
+                    best_effort_reason=h.best_effort_reason or "",
                     ttft_slo_ms=h.ttft_slo_ms or 0.0,
                 )
                 if c.finish_reason is not None:

@@ -1,10 +1,12 @@
 """OpenAI response bodies and server-sent-event frames.
 
-Streams follow the OpenAI chunk format exactly: `data: {json}\\n\\n` frames, for chat a
-first chunk carrying the assistant role, the finish reason on the last content
-chunk, then (with `stream_options.include_usage`) a chunk with empty `choices` and
-the usage, then `data: [DONE]`. With include_usage every earlier chunk has
-`"usage": null`, as OpenAI sends it.
+Streams follow the OpenAI chunk format exactly: `data: {json}\\n\\n` frames, for chat
+the assistant role in the first chunk's delta together with the first text (as vLLM
+sends it: no empty opening chunk, so a client timing the first byte of the body
+measures the real time to first token), the finish reason on the last content chunk,
+then (with `stream_options.include_usage`) a chunk with empty `choices` and the usage,
+then `data: [DONE]`. With include_usage every earlier chunk has `"usage": null`, as
+OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Formatter:
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self._role_sent = False
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -54,23 +57,15 @@ class Formatter:
 
     # -- streaming ---------------------------------------------------------------------
 
-    def opening(self) -> list[dict[str, Any]]:
-        if self.kind != "chat":
-            return []
-        role = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self._envelope("chat.completion.chunk", [role])]
-
     def chunk(self, c: Chunk) -> dict[str, Any] | None:
         """The frame for one token chunk; None when it carries nothing to send."""
         if not c.text and c.finish_reason is None:
             return None  # tokens whose text is still pending (partial UTF-8, held stop)
         if self.kind == "chat":
-            delta = {"content": c.text} if c.text else {}
+            delta: dict[str, Any] = {"content": c.text} if c.text else {}
+            if not self._role_sent:  # the first frame of the stream
+                delta = {"role": "assistant", **delta}
+                self._role_sent = True
             choice = {
                 "index": 0,
                 "delta": delta,

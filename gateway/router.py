@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
-from gateway.errors import APIError, bad_request
+from adaserve.slo import describe
+from gateway.errors import APIError, model_not_found
 from services.common.options import aio_channel
 
 log = logging.getLogger(__name__)
@@ -110,12 +111,7 @@ class Router:
         if model is not None and units:
             units = [u for u in units if u.info and u.info.served_model_name == model]
             if not units:
-                known = ", ".join(self.models()) or "none"
-                raise bad_request(
-                    f"model {model!r} does not exist; served models: {known}",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise model_not_found(model)
         units = [u for u in units if u.address not in exclude]
         if not units:
             raise APIError(
@@ -188,16 +184,29 @@ class Router:
             )
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 raise RuntimeError("health status NOT_SERVING")
-            if unit.info is None or not unit.healthy:
-                unit.info = await unit.stub.Info(vpb.InfoRequest(), timeout=self.check_timeout_s)
+            # Every round: the unit's SLO floor follows its measured iteration times
+            # (GET /v1/slo shows it).
+            unit.info = await unit.stub.Info(vpb.InfoRequest(), timeout=self.check_timeout_s)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             self.mark_failed(unit, reason)
             return
         if not unit.healthy:
+            info = unit.info
+            classes = dict(info.slo_classes)
             log.info(
-                "verifier unit healthy",
-                extra={"unit": unit.address, "model": unit.info.served_model_name},
+                f"verifier unit healthy: {info.served_model_name} at {unit.address}; "
+                + describe(
+                    info.baseline_tpot_ms, classes, info.default_slo_class, info.slo_floor_ms
+                ),
+                extra={
+                    "unit": unit.address,
+                    "model": info.served_model_name,
+                    "baseline_tpot_ms": round(info.baseline_tpot_ms, 2),
+                    "slo_classes_ms": {k: round(v, 2) for k, v in classes.items()},
+                    "default_slo_class": info.default_slo_class,
+                    "slo_floor_ms": round(info.slo_floor_ms, 2),
+                },
             )
         unit.healthy = True
         unit.last_error = ""

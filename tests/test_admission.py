@@ -138,3 +138,25 @@ def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
     engine.step()
     assert sorted(np.concatenate(drafter.releases).tolist()) == ["r0", "r1", "r2"]
     assert len(drafter.releases) == 1 and drafter.inner.stats().num_sequences == 0
+
+
+def test_slo_is_judged_at_submit_against_the_honest_floor(target_dir) -> None:
+    """With a drafter (d_max 8, acceptance 0.75, the predicted 1-token iteration 42 ms
+    before any is measured) the old floor, 42 / 9 = 4.7 ms, called a 10 ms SLO
+    attainable; no request alone gets under ~16 ms here, so it is best-effort, and the
+    verdict is on the stream before the engine has taken a step."""
+    drafter = BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=256))
+    engine = engine_with(target_dir, drafter=drafter)
+    floor = engine.slo_floor()
+    assert 10.0 < floor.tpot_ms < engine.tspec.predict_ms(1) and floor.depth > 0
+    tight = engine.submit(req(0, PROMPTS[0], 4, 10.0))
+    fine = engine.submit(req(1, PROMPTS[0], 4, floor.tpot_ms * 1.01))
+    assert tight.verdict.best_effort and tight.verdict.floor_ms == floor.tpot_ms
+    assert "floor" in tight.verdict.reason
+    assert not fine.verdict.best_effort and fine.verdict.reason is None
+    res = run_to_completion(engine, [tight, fine])
+    assert res["finish"] == {"r0": "length", "r1": "length"}
+    assert engine.info().slo_floor_ms == pytest.approx(engine.slo_floor().tpot_ms)
+    rejecting = engine_with(target_dir, drafter=drafter, unattainable_slo="reject")
+    with pytest.raises(SLOUnattainable, match="below this server's floor"):
+        rejecting.submit(req(2, PROMPTS[0], 4, 10.0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import pytest
 
 from adaserve.config import Settings
@@ -110,12 +111,14 @@ def test_metrics_goodput_and_attainment() -> None:
 
 def test_chat_stream_format() -> None:
     f = Formatter("chat", "chatcmpl-1", "m", include_usage=True)
-    (role,) = f.opening()
-    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert role["usage"] is None and role["object"] == "chat.completion.chunk"
-    mid = f.chunk(Chunk((1, 2), "he", None, 3, 2))
-    assert mid["choices"][0]["delta"] == {"content": "he"}
-    assert f.chunk(Chunk((3,), "", None, 3, 3)) is None  # text held back: nothing to send
+    assert f.chunk(Chunk((7,), "", None, 3, 1)) is None  # text held back: nothing to send
+    # No empty opening chunk: the role rides with the first text, as vLLM sends it.
+    first = f.chunk(Chunk((1, 2), "he", None, 3, 3))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "he"}
+    assert first["usage"] is None and first["object"] == "chat.completion.chunk"
+    mid = f.chunk(Chunk((3,), "y", None, 3, 4))
+    assert mid["choices"][0]["delta"] == {"content": "y"}
+    assert f.chunk(Chunk((3,), "", None, 3, 3)) is None
     last = f.chunk(Chunk((), "", "stop", 3, 3))
     assert last["choices"][0] == {
         "index": 0,
@@ -125,6 +128,9 @@ def test_chat_stream_format() -> None:
     }
     usage = f.usage_chunk(3, 3)
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
+    # A stream whose only frame is the finish still names the role.
+    empty = Formatter("chat", "chatcmpl-2", "m", include_usage=False)
+    assert empty.chunk(Chunk((), "", "stop", 3, 0))["choices"][0]["delta"] == {"role": "assistant"}
     frame = sse(mid)
     assert frame.startswith("data: {") and frame.endswith("}\n\n")
     assert json.loads(frame[len("data: ") :]) == mid
@@ -170,7 +176,15 @@ def test_router_picks_least_outstanding_healthy_unit() -> None:
         assert gone.value.status == 503
         with pytest.raises(APIError) as info:
             router.pick("nope")
-        assert info.value.status == 400 and info.value.code == "model_not_found"
+        assert info.value.status == 404 and info.value.body() == {
+            "error": {
+                "message": "The model `nope` does not exist.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
+        assert info.value.grpc_code == grpc.StatusCode.NOT_FOUND
         # Ties rotate rather than always hitting the first unit.
         b.healthy, b.outstanding, a.outstanding = True, 0, 0
         assert {router.pick("m").address for _ in range(4)} == {a.address, b.address}

@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,6 +127,28 @@ def test_models(stack: Stack) -> None:
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_slo_contract_is_published(stack: Stack) -> None:
+    """GET /v1/slo shows per unit the baseline (20 ms in the test config), what each
+    class resolved to (the built-in classes: coding 1.2x baseline, chat 50 ms, summarize
+    150 ms), the default class and the floor; /v1/models carries the same per model."""
+    (unit,) = httpx.get(f"{stack.url}/v1/slo", timeout=10).json()["data"]
+    assert unit["model"] == "tiny" and unit["unit"].startswith("127.0.0.1:")
+    assert unit["baseline_tpot_ms"] == 20.0 and unit["default_class"] == "chat"
+    assert unit["classes"] == {
+        "coding": {"tpot_ms": 24.0},
+        "chat": {"tpot_ms": 50.0},
+        "summarize": {"tpot_ms": 150.0},
+    }
+    assert unit["speculative"] is True
+    # A tiny model's 1-token step is far under the 21 ms (baseline x correction) the
+    # predictor starts from; speculation can only lower the floor further.
+    assert 0 < unit["slo_floor_ms"] <= 21.0
+    (model,) = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
+    expected = {k: v for k, v in unit.items() if k not in ("model", "unit", "slo_floor_ms")}
+    assert {k: v for k, v in model["slo"].items() if k != "slo_floor_ms"} == expected
+    assert model["slo"]["slo_floor_ms"] > 0
+
+
 def test_completion_greedy_equals_target(stack: Stack) -> None:
     prompt = "Once upon a time"
     out = stack.client().completions.create(
@@ -206,6 +230,73 @@ def test_sse_wire_format(stack: Stack) -> None:
         assert json.loads(frame[len("data: ") :])["object"] == "text_completion"
 
 
+def _stream_frames(url: str, body: dict) -> tuple[httpx.Headers, list[dict]]:
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        frames = [
+            json.loads(line[len("data: ") :])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+        return r.headers, frames
+
+
+def test_unattainable_slo_is_flagged_before_any_token_and_in_the_final_chunk(
+    stack: Stack,
+) -> None:
+    """0.05 ms per token is below what this unit can give one request alone (its floor,
+    reported with the request): the response header says so before the first token,
+    and the final chunk's `slo` object carries the floor and the reason."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers, frames = _stream_frames(
+        f"{stack.url}/v1/chat/completions", body | {"tpot_slo_ms": 0.05}
+    )
+    assert headers["x-slo-best-effort"] == "true"
+    slo = frames[-1]["slo"]
+    assert slo["best_effort"] is True and slo["tpot_slo_ms"] == 0.05
+    assert slo["slo_floor_ms"] > 0.05 and "floor" in slo["reason"]
+    assert all("slo" not in f for f in frames[:-1])
+    headers, frames = _stream_frames(f"{stack.url}/v1/chat/completions", body)
+    assert headers["x-slo-best-effort"] == "false"
+    slo = frames[-1]["slo"]
+    assert slo["best_effort"] is False and slo["reason"] is None
+    assert slo["slo_class"] == "chat" and slo["tpot_slo_ms"] > slo["slo_floor_ms"] > 0
+    # The gRPC front carries the same verdict in every chunk.
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        req = gpb.CompleteRequest(
+            options=gpb.RequestOptions(model="tiny", max_tokens=3, tpot_slo_ms=0.05), text="x"
+        )
+        chunks = list(ggrpc.GatewayStub(ch).Complete(req, timeout=60))
+    assert all(c.best_effort and "floor" in c.best_effort_reason for c in chunks)
+    assert all(c.slo_floor_ms > 0.05 for c in chunks)
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+def test_first_sse_frame_carries_the_first_token(stack: Stack, kind: str) -> None:
+    """No empty opening frame: a client timing the first byte of the body measures the
+    real time to the first token. In chat, the role rides with the first text."""
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True}
+    if kind == "chat/completions":
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    _, frames = _stream_frames(f"{stack.url}/v1/{kind}", body)
+    first = frames[0]["choices"][0]
+    if kind == "chat/completions":
+        assert first["delta"]["role"] == "assistant" and first["delta"]["content"]
+        assert all("role" not in f["choices"][0]["delta"] for f in frames[1:])
+    else:
+        assert first["text"]
+
+
 def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
     ids = stack.tokenizer.encode("Hello there")
     ref = stack.reference(ids, 60)
@@ -239,7 +330,8 @@ def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
                     timeout=10,
                 )
             )
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.details() == "The model `nope` does not exist."
         with pytest.raises(grpc.RpcError) as info:
             list(
                 stub.Complete(
@@ -266,8 +358,19 @@ def test_bad_input_through_the_unit(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="abc", max_tokens=510)
     assert "context" in info.value.message
-    with pytest.raises(openai.BadRequestError) as info:
+    # OpenAI's and vLLM's answer, on both endpoints.
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="abc")
+    assert info.value.body == {
+        "message": "The model `gpt-4` does not exist.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(
+            model="gpt-4", messages=[{"role": "user", "content": "x"}], stream=True
+        )
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="")
@@ -516,3 +619,22 @@ def test_smollm2_chat_equals_its_own_greedy_output(tmp_path: Path) -> None:
     finally:
         gproc.stop()
         vproc.stop()
+
+
+def test_demo_against_the_stack(stack: Stack, tmp_path: Path) -> None:
+    """`adaserve demo` drives the server with the three classes and writes its table,
+    summary and two-panel plot (each class's own SLO, TPOT / SLO over the run)."""
+    argv = ["--url", stack.url, "--rps", "3", "--duration", "2", "--max-tokens-scale", "0.2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "adaserve.cli", "demo", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    slos = {name: g["tpot_slo_ms"] for name, g in summary["per_class"].items()}
+    assert slos and set(slos) <= {"coding", "chat", "summarize"}
+    assert all(g["slo_attainment"] is not None for g in summary["per_class"].values())
+    assert (tmp_path / "tpot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "TPOT p50/p90 ms" in r.stdout

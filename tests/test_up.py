@@ -3,9 +3,11 @@ before the URLs are printed, and all of them gone after Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,13 +28,23 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_served_model(root / "target", seed=0), make_served_model(root / "drafter", seed=1)
 
 
-def _launch(tmp: Path, *args: str) -> tuple[Proc, int]:
+def _launch(tmp: Path, *args: str, metrics_port: int | None = None) -> tuple[Proc, int]:
     cfg = tmp / "cfg.yaml"
     cfg.write_text(TEST_CONFIG)
     port = free_port()
+    # Not the fixed default: other test runs may hold it.
+    metrics = free_port() if metrics_port is None else metrics_port
     opts = f"up --port {port} --config {cfg} --log-dir {tmp / 'logs'} --startup-timeout 240"
+    opts += f" --metrics-port {metrics}"
     proc = Proc([*opts.split(), *args], tmp / "up.log")
     return proc, port
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """Every line of a service's log is one JSON object (one format for all)."""
+    lines = path.read_text().splitlines()
+    assert lines, path
+    return [json.loads(line) for line in lines]
 
 
 def _wait_for(proc: Proc, pattern: str, timeout: float = 240.0) -> str:
@@ -71,11 +83,24 @@ def _shutdown(proc: Proc, pids: dict[str, int], sig: int) -> None:
 
 def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
     target, drafter = models
+    metrics_port = free_port()
     proc, port = _launch(
-        tmp_path, "--all-in-one", "--target", str(target), "--drafter", str(drafter)
+        tmp_path,
+        "--all-in-one",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        metrics_port=metrics_port,
     )
     try:
-        text = _wait_for(proc, r"adaserve is up")
+        text = _wait_for(proc, r"Press Ctrl-C")
+        # The baseline (20 ms in the test config) and what each class came to.
+        assert re.search(
+            r"SLOs\s+baseline TPOT 20\.0 ms; SLO classes coding 24\.0 ms, "
+            r"chat 50\.0 ms \(default\), summarize 150\.0 ms; floor \d+\.\d ms",
+            text,
+        ), text
         assert f"http://127.0.0.1:{port}/v1" in text
         pids = _child_pids(text)
         assert set(pids) == {"verifier-0", "gateway"}
@@ -90,7 +115,13 @@ def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
         assert out.usage.completion_tokens == 5
         engine_metrics = re.search(r"metrics\s+(\S+)\s+\(verifier-0: engine\)", text)
         assert engine_metrics, text
+        assert engine_metrics[1] == f"http://127.0.0.1:{metrics_port}/metrics"
         assert "adaserve_iterations_total" in httpx.get(engine_metrics[1], timeout=10).text
+        verifier_log = _json_lines(tmp_path / "logs" / "verifier-0.log")
+        (slos,) = [r for r in verifier_log if "slo_classes_ms" in r]
+        assert slos["baseline_tpot_ms"] == 20.0 and slos["slo_classes_ms"]["coding"] == 24.0
+        gateway_log = _json_lines(tmp_path / "logs" / "gateway.log")
+        assert any(r.get("baseline_tpot_ms") == 20.0 for r in gateway_log)
         _shutdown(proc, pids, signal.SIGINT)
     finally:
         proc.stop(signal.SIGKILL)
@@ -109,7 +140,7 @@ def test_separate_processes_two_units(models: tuple[Path, Path], tmp_path: Path)
     ]
     proc, port = _launch(tmp_path, *args)
     try:
-        text = _wait_for(proc, r"adaserve is up")
+        text = _wait_for(proc, r"Press Ctrl-C")
         pids = _child_pids(text)
         expected = {"scheduler", "verifier-0", "verifier-1", "gateway"}
         if has_drafter_service:
@@ -125,6 +156,10 @@ def test_separate_processes_two_units(models: tuple[Path, Path], tmp_path: Path)
                 extra_body={"ignore_eos": True},
             )
             assert out.usage.completion_tokens == 4
+        # One log format for every service, the drafter and scheduler included.
+        for name in expected:
+            _json_lines(tmp_path / "logs" / f"{name}.log")
+        assert len(re.findall(r"SLOs \(127\.0\.0\.1:\d+\) baseline TPOT 20\.0 ms", text)) == 2
         _shutdown(proc, pids, signal.SIGTERM)
     finally:
         proc.stop(signal.SIGKILL)
@@ -190,3 +225,42 @@ def test_plan_sleeps_openmp_threads_only_where_torch_processes_share_the_cpu(tmp
     assert [s.name for s in services if s.settle_first] == ["verifier-0", "gateway"]
     aio = plan(p.parse_args(["--all-in-one"]), tmp_path)
     assert [s.name for s in aio if s.settle_first] == ["gateway"]
+
+
+def test_taken_ports_are_reported_before_anything_loads(tmp_path: Path) -> None:
+    """A port clash names the port and the flag, in a second: `up` checks before it
+    starts a service, the verifier before it loads its model (here a model that does not
+    exist, so a late check would have said that instead)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        runs = {
+            "up --port": ["up", "--port", str(port), "--all-in-one"],
+            "up --metrics-port": ["up", "--port", str(free_port()), "--metrics-port", str(port)],
+            "verifier --port": ["verifier", "--port", str(port), "--target", "/nope"],
+            "verifier --metrics-port": [
+                *("verifier", "--port", str(free_port()), "--metrics-port", str(port)),
+                *("--target", "/nope"),
+            ],
+            "drafter --port": ["drafter", "--port", str(port), "--model", "/nope"],
+            "gateway --port": ["gateway", "--port", str(port), "--grpc-port", "-1"],
+        }
+        for name, argv in runs.items():
+            flag = name.split()[1]
+            t0 = time.monotonic()
+            r = subprocess.run(
+                [sys.executable, "-m", "adaserve.cli", *argv, "--log-dir", str(tmp_path)]
+                if argv[0] == "up"
+                else [sys.executable, "-m", "adaserve.cli", *argv, "--host", "127.0.0.1"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode == 2, (name, r.stdout, r.stderr)
+            assert f"port {port} on 127.0.0.1 is already in use" in r.stderr, (name, r.stderr)
+            assert f"{flag} N" in r.stderr, (name, r.stderr)
+            assert time.monotonic() - t0 < 30, name  # no model was loaded first
+            if name == "up --port":
+                assert "make up: PORT=N" in r.stderr

@@ -22,7 +22,12 @@ from adaserve.bench import PROMPT_VOCAB
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", required=True)
-    s = sub.add_parser("serve", help="replay a workload against a running server")
+    # Sub-commands' --help shows defaults too (argparse does not pass the class on).
+    s = sub.add_parser(
+        "serve",
+        help="replay a workload against a running server",
+        formatter_class=p.formatter_class,
+    )
     s.add_argument("workload", help="workload YAML")
     s.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     s.add_argument("--rps", type=float, help="mean request rate (default: the workload's)")
@@ -47,7 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
-    c = sub.add_parser("compare", help="side-by-side summaries of two or more runs")
+    c = sub.add_parser(
+        "compare",
+        help="side-by-side summaries of two or more runs",
+        formatter_class=p.formatter_class,
+    )
     c.add_argument("runs", nargs="+", help="run directories (or summary.json files)")
 
 

@@ -8,6 +8,9 @@ until every one is healthy (gRPC health, then the gateway's /ready), prints the 
 and stops them all cleanly on Ctrl-C or SIGTERM. Each service runs in its own process
 group, so a verifier's tensor-parallel ranks go down with it, and a terminal Ctrl-C
 reaches only the launcher, which then stops the services in reverse order.
+
+Each service writes one log file in one format (JSON lines, or `--log-format text`)
+under `./logs/up-<date>-<time>/` (`--log-dir`); `./logs/latest` points at the newest.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 STOP_TIMEOUT_S = 10.0
+DEFAULT_METRICS_PORT = 9400  # services/verifier/__main__.py's default, for unit 0
 
 
 def service_env(base: os._Environ | dict[str, str], shared_cpu: bool = False) -> dict[str, str]:
@@ -68,12 +71,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free one)"
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="engine Prometheus port of verifier unit 0; unit k gets this + k (0: none)",
+    )
+    parser.add_argument(
         "--all-in-one",
         action="store_true",
         help="one verifier with in-process drafter and scheduler",
     )
     parser.add_argument("--config", help="YAML settings file passed to every service")
-    parser.add_argument("--log-dir", help="service logs (default: a new temporary directory)")
+    parser.add_argument(
+        "--log-dir",
+        help="service logs, one file per service (default: ./logs/up-<date>-<time>/, "
+        "with ./logs/latest pointing at it)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default="json",
+        help="every service's log lines: JSON objects or plain text",
+    )
     parser.add_argument(
         "--startup-timeout",
         type=float,
@@ -125,6 +144,33 @@ class Service:
         return "\n".join(lines[-n:])
 
 
+def make_log_dir(requested: str | None, root: Path = Path("logs")) -> Path:
+    """The run's log directory: `requested`, or a new `root/up-<date>-<time>` with
+    `root/latest` pointing at it, so `tail -f logs/latest/verifier-0.log` follows the
+    newest run without looking up its name."""
+    if requested:
+        path = Path(requested)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(100):  # two launches in the same second get distinct directories
+        path = root / (f"up-{stamp}" if n == 0 else f"up-{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{root}/up-{stamp}-*: too many runs this second")
+    latest = root / "latest"
+    with contextlib.suppress(OSError):  # a convenience: never fail the launch over it
+        tmp = root / f".latest-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        tmp.replace(latest)  # atomic, also over an existing link
+    return path
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -135,6 +181,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     """The services to start, in start order (stopped in reverse)."""
     loop = "127.0.0.1"
     cfg = ["--config", args.config] if args.config else []
+    cfg += ["--log-format", args.log_format]
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     services: list[Service] = []
     verifiers: list[str] = []
@@ -156,13 +203,15 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
 
     def add_verifier(name: str, port: int, extra: list[str]) -> None:
         # The engine's metrics (iteration phases, spec decode, fallbacks) live in the
-        # verifier process, not behind the gateway's /metrics: give each its own port.
-        m_port = free_port()
+        # verifier process, not behind the gateway's /metrics: each unit has its own
+        # port, fixed so that a scrape config survives a restart.
+        m_port = metrics_ports(args)[len(verifiers)] if args.metrics_port else 0
         argv = ["verifier", "--host", loop, "--port", str(port), "--target", args.target]
         argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *extra]
+        url = f"http://{loop}:{m_port}/metrics" if m_port else None
         # Beside a drafter process, start once it has loaded: the verifier times the
         # hardware at startup.
-        add(name, argv, port, f"http://{loop}:{m_port}/metrics", settle_first=shared)
+        add(name, argv, port, url, settle_first=shared)
         verifiers.append(f"{loop}:{port}")
 
     if args.all_in_one:
@@ -189,6 +238,31 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         gw += ["--verifier", v]
     add("gateway", gw, None, settle_first=True)  # after the verifiers timed the hardware
     return services
+
+
+def metrics_ports(args: argparse.Namespace) -> list[int]:
+    """Unit k's engine metrics port: --metrics-port + k (none with --metrics-port 0)."""
+    if not args.metrics_port:
+        return []
+    return [args.metrics_port + k for k in range(args.verifier_units)]
+
+
+def check_ports(args: argparse.Namespace) -> str | None:
+    """The ports the user chose (or the defaults) that are already taken, before any
+    service starts: a clash otherwise shows only once a verifier has loaded its model."""
+    from services.common.ports import PortInUse, check_free
+
+    wanted = [(args.host, args.port, "--port N (make up: PORT=N)")]
+    if args.grpc_port:
+        wanted.append((args.host, args.grpc_port, "--grpc-port N (0: a free one)"))
+    hint = "--metrics-port N (unit k gets N + k; 0: no engine metrics)"
+    wanted += [("127.0.0.1", p, hint) for p in metrics_ports(args)]
+    for host, port, flag in wanted:
+        try:
+            check_free(host, port, flag)
+        except PortInUse as exc:
+            return str(exc)
+    return None
 
 
 class Launcher:
@@ -266,6 +340,26 @@ class Launcher:
         return _grpc_serving(svc.grpc_address)
 
 
+def slo_lines(base: str) -> str:
+    """What the console should say once: each unit's measured baseline and the SLO each
+    class resolved to (from the gateway's /v1/slo); empty if it cannot be read."""
+    import httpx
+
+    from adaserve.slo import describe
+
+    try:
+        units = httpx.get(f"{base}/v1/slo", timeout=5.0).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return ""  # e.g. API keys configured: the URLs above still hold
+    lines = []
+    for u in units:
+        classes = {name: c["tpot_ms"] for name, c in u["classes"].items()}
+        text = describe(u["baseline_tpot_ms"], classes, u["default_class"], u["slo_floor_ms"])
+        where = f" ({u['unit']})" if len(units) > 1 else ""
+        lines.append(f"  SLOs{where:<7} {text}\n")  # aligned with "  OpenAI API  "
+    return "".join(lines) + f"  (GET {base}/v1/slo; SLOs below the floor run best-effort)\n"
+
+
 def _grpc_serving(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -301,6 +395,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--tp must be >= 1"
     if not 0 < args.port < 65536:
         return "--port must be in 1..65535"
+    if not 0 <= args.grpc_port < 65536:
+        return "--grpc-port must be in 0..65535"
+    if args.metrics_port and not 0 < args.metrics_port + args.verifier_units <= 65536:
+        return "--metrics-port must leave room for one port per unit below 65536 (0: none)"
     return None
 
 
@@ -316,8 +414,20 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"adaserve up: {exc}", file=sys.stderr)
         return 2
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="adaserve-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    if (err := check_ports(args)) is not None:
+        print(f"adaserve up: {err}", file=sys.stderr)
+        return 2
+    from adaserve.cpu_load import current, oversubscription
+
+    # Verifier units and their TP ranks compute at the same time; a drafter process
+    # waits while its verifier computes.
+    for warning in oversubscription(current(), args.verifier_units * args.tp):
+        print(f"adaserve up: warning: {warning}", file=sys.stderr, flush=True)
+    try:
+        log_dir = make_log_dir(args.log_dir)
+    except OSError as exc:
+        print(f"adaserve up: cannot create the log directory: {exc}", file=sys.stderr)
+        return 2
     services = plan(args, log_dir)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base = f"http://{shown}:{args.port}"
@@ -341,6 +451,7 @@ def run(args: argparse.Namespace) -> int:
             f"  gRPC API    {shown}:{grpc_port}\n"
             f"  metrics     {base}/metrics  (gateway)\n"
             f"{engine_metrics}"
+            f"{slo_lines(base)}"
             f"Press Ctrl-C to stop.",
             flush=True,
         )

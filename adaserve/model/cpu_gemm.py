@@ -234,5 +234,8 @@ def pack_linears(model: LlamaModel, mode: str = "auto") -> int:
             model.embed = PackedEmbedding(packed)
         setattr(parent, name, packed)
         swapped += 1
-    log.info("%d linear layers on the packed CPU kernel (%s)", swapped, supported_isas()[0])
+    if swapped:  # an int8 drafter has none left: quantize_int8 said what runs its layers
+        log.info(
+            "%d fp32 linear layers on the packed CPU kernel (%s)", swapped, supported_isas()[0]
+        )
     return swapped

@@ -13,6 +13,7 @@ always runs in the precision its reference output is defined in.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -22,6 +23,8 @@ from adaserve.model.layers import VocabParallelEmbedding, linear_layers
 from adaserve.model.llama import LlamaModel
 
 QUANTIZATIONS = ("none", "int8")
+
+log = logging.getLogger("adaserve.model")
 
 
 class Int8Linear(nn.Module):
@@ -73,4 +76,11 @@ def quantize_int8(model: LlamaModel, cpu_kernel: str = "auto") -> int:
         layer = PackedLinear(weight, bias, int8=True) if packed else Int8Linear(weight, bias)
         setattr(parent, name, layer)
         swapped += 1
+    if packed:
+        from adaserve.model.cpu_gemm import supported_isas
+
+        where = f"the packed CPU kernel ({supported_isas()[0]}, int8 weights, fp32 activations)"
+    else:
+        where = "fbgemm (dynamic int8)"
+    log.info("%d linear layers in int8 on %s", swapped, where)
     return swapped

@@ -125,12 +125,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run_until_signal(make_server: Callable[[], GrpcServer]) -> int:
-    """Blocking entry point of a service's `__main__`: serve on uvloop until SIGTERM."""
+    """Blocking entry point of a service's `__main__`: serve on uvloop until SIGTERM.
+    Asked for port 0, it prints `listening on HOST:PORT` on stdout once bound: the one
+    line a parent process reads to learn the port (logs go to stderr)."""
 
     async def main() -> None:
         server = make_server()
+        any_port = server.port == 0
         await server.start()
-        print(f"listening on {server.address.rsplit(':', 1)[0]}:{server.port}", flush=True)
+        if any_port:
+            print(f"listening on {server.address.rsplit(':', 1)[0]}:{server.port}", flush=True)
         await server.serve_until_signal()
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:

@@ -4,8 +4,9 @@ the draft model behind the Drafter gRPC service."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from services.common import logs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,10 +19,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: settings)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--config", default=None, help="YAML settings file")
-    parser.add_argument("--log-level", default="INFO")
+    logs.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before torch and transformers are imported: progress bars are decided at import.
+    logs.configure(args.log_level, args.log_format)
+    from services.common.ports import PortInUse, check_free
+
+    try:  # before the model loads: a clash is reported at once
+        check_free(args.host, args.port, "--port N")
+    except PortInUse as exc:
+        print(f"adaserve drafter: {exc}", file=sys.stderr)
+        return 2
     # Imported here so `adaserve drafter --help` never pays for torch.
     from adaserve.config import load_settings
     from adaserve.model.loader import load_runner
@@ -31,9 +41,6 @@ def run(args: argparse.Namespace) -> int:
     from services.common.server import run_until_signal
     from services.drafter.server import build_server
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     settings = load_settings(args.config)
     try:
         tls.configure(settings.tls)

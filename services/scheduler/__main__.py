@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from adaserve.config import load_settings
+from services.common import logs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--config", default=None, help="YAML settings file")
-    parser.add_argument("--log-level", default="INFO")
+    logs.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,9 +22,14 @@ def run(args: argparse.Namespace) -> int:
     from services.common.server import run_until_signal
     from services.scheduler.server import build_server
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
+    from services.common.ports import PortInUse, check_free
+
+    try:
+        check_free(args.host, args.port, "--port N")
+    except PortInUse as exc:
+        print(f"adaserve scheduler: {exc}", file=sys.stderr)
+        return 2
     settings = load_settings(args.config)
     try:
         tls.configure(settings.tls)

@@ -10,10 +10,18 @@ file), otherwise no speculation. No scheduler address: in-process selection.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
 from adaserve.config import Settings, load_settings
+from services.common import logs
+
+# The engine's Prometheus port. Fixed, so a scrape config can name it; `adaserve up`
+# gives unit k DEFAULT_METRICS_PORT + k.
+DEFAULT_METRICS_PORT = 9400
+
+log = logging.getLogger("adaserve.verifier")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,10 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, help="tensor-parallel degree (ranks started here)")
     parser.add_argument("--served-model-name", help="the `model` clients send")
     parser.add_argument(
-        "--metrics-port", type=int, default=-1, help="Prometheus HTTP port; -1 disables it"
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="the engine's Prometheus endpoint (http://HOST:PORT/metrics); 0 turns it off",
     )
     parser.add_argument("--config", help="YAML settings file")
-    parser.add_argument("--log-level", default="info")
+    logs.add_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -56,6 +67,24 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before torch and transformers are imported: progress bars are decided at import.
+    logs.configure(args.log_level, args.log_format)
+    from services.common.ports import PortInUse, check_free
+
+    # Before the model loads (seconds to minutes): a clash is reported at once.
+    metrics_port = max(args.metrics_port, 0)  # -1 (off) from older scripts still works
+    try:
+        check_free(args.host, args.port, "--port N")
+        if metrics_port:
+            check_free(args.host, metrics_port, "--metrics-port N (0 turns metrics off)")
+    except PortInUse as exc:
+        print(f"adaserve verifier: {exc}", file=sys.stderr)
+        return 2
+    from adaserve.cpu_load import current, oversubscription
+
+    # Before loading: the load average should not count our own model loading.
+    for warning in oversubscription(current(), computing_processes=args.tp or 1):
+        log.warning(warning)
     # Imported here so `adaserve verifier --help` never pays for torch.
     from adaserve.model.loader import (
         ModelNotFoundError,
@@ -64,13 +93,11 @@ def run(args: argparse.Namespace) -> int:
         resolve_model,
     )
     from adaserve.torch_thread import torch_thread
-    from gateway import logs
     from services.common import tls
     from services.common.server import run_until_signal
-    from services.verifier.server import build_server
+    from services.verifier.server import build_server, log_slos
     from services.verifier.wiring import build_engine
 
-    logs.configure(args.log_level)
     # Models are loaded, warmed up and run on this one thread (adaserve/torch_thread.py).
     worker = torch_thread("adaserve-engine")
     try:
@@ -82,15 +109,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"adaserve verifier: {exc}", file=sys.stderr)
         worker.shutdown(wait=False)
         return 1
-    if args.metrics_port >= 0:
+    if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr=args.host)
+        try:
+            start_http_server(metrics_port, addr=args.host)
+        except OSError as exc:  # taken while the model loaded
+            print(f"adaserve verifier: metrics port {metrics_port}: {exc}", file=sys.stderr)
+            engine.stop()
+            worker.shutdown(wait=False)
+            return 2
+        shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        log.info(f"engine metrics on http://{shown}:{metrics_port}/metrics")
     try:
         tokenizer = load_tokenizer(resolve_model(settings.model.target))
     except Exception as exc:  # token-id prompts still work without one
         print(f"verifier: no tokenizer ({exc}); only token-id prompts", file=sys.stderr)
         tokenizer = None
+    log_slos(engine, settings)
     engine.start(worker)
     try:
         return run_until_signal(

@@ -24,6 +24,7 @@ from adaserve.engine import Engine, EngineFull
 from adaserve.request import GenerationRequest, SamplingParams, TokenDelta
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
+from adaserve.slo import describe
 from services.common.convert import finish_reason_to_pb
 from services.common.server import GrpcServer, Service
 
@@ -77,8 +78,9 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 "prompt_tokens": len(prompt),
                 "max_tokens": req.sampling.max_tokens,
                 "tpot_slo_ms": slo.tpot_ms,
-                "ttft_slo_ms": slo.ttft_ms,
                 "slo_class": slo.name,
+                "best_effort": stream.verdict.best_effort,
+                "ttft_slo_ms": slo.ttft_ms,
             },
         )
         finished = False
@@ -86,8 +88,11 @@ class VerifierServicer(vgrpc.VerifierServicer):
             yield vpb.GenerateChunk(
                 num_prompt_tokens=len(prompt),
                 tpot_slo_ms=slo.tpot_ms,
-                ttft_slo_ms=slo.ttft_ms or 0.0,
                 slo_class=slo.name,
+                best_effort=stream.verdict.best_effort,
+                slo_floor_ms=stream.verdict.floor_ms,
+                best_effort_reason=stream.verdict.reason or "",
+                ttft_slo_ms=slo.ttft_ms or 0.0,
                 server_elapsed_ms=_ms_since(t0),
             )
             async for delta in stream.aiter():
@@ -108,19 +113,17 @@ class VerifierServicer(vgrpc.VerifierServicer):
         self, request: vpb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> vpb.InfoResponse:
         info = self.engine.info()
-        slo = self.settings.slo
         return vpb.InfoResponse(
             served_model_name=info.model,
             max_model_len=info.max_model_len,
             baseline_tpot_ms=info.baseline_tpot_ms,
-            slo_classes={
-                name: cls.resolve_ms(info.baseline_tpot_ms) for name, cls in slo.classes.items()
-            },
-            default_slo_class=slo.default_class,
+            slo_classes=resolved_classes(self.settings, info.baseline_tpot_ms),
+            default_slo_class=self.settings.slo.default_class,
             tp=self.settings.model.tp,
             speculative=info.speculative,
             vocab_size=int(getattr(self.engine.target, "vocab_size", 0)),
             eos_token_ids=list(info.eos_token_ids),
+            slo_floor_ms=info.slo_floor_ms,
         )
 
     async def Stats(
@@ -194,6 +197,28 @@ class VerifierServicer(vgrpc.VerifierServicer):
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
         )
+
+
+def resolved_classes(settings: Settings, baseline_tpot_ms: float) -> dict[str, float]:
+    """Each SLO class's TPOT in milliseconds against this unit's baseline."""
+    return {name: c.resolve_ms(baseline_tpot_ms) for name, c in settings.slo.classes.items()}
+
+
+def log_slos(engine: Engine, settings: Settings) -> None:
+    """Once at startup: the baseline this unit measured (or was given) and what each SLO
+    class resolved to, which differ from machine to machine."""
+    info = engine.info()
+    classes = resolved_classes(settings, info.baseline_tpot_ms)
+    default = settings.slo.default_class
+    log.info(
+        describe(info.baseline_tpot_ms, classes, default, info.slo_floor_ms),
+        extra={
+            "baseline_tpot_ms": round(info.baseline_tpot_ms, 2),
+            "slo_classes_ms": {k: round(v, 2) for k, v in classes.items()},
+            "default_slo_class": default,
+            "slo_floor_ms": round(info.slo_floor_ms, 2),
+        },
+    )
 
 
 def _render_chat(tokenizer: Any, chat: vpb.ChatMessages) -> list[int]:

@@ -70,7 +70,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class CompletionChunk(_message.Message):
-    __slots__ = ("id", "model", "token_ids", "text", "finish_reason", "usage", "best_effort", "tpot_slo_ms", "ttft_slo_ms")
+    __slots__ = ("id", "model", "token_ids", "text", "finish_reason", "usage", "best_effort", "tpot_slo_ms", "slo_floor_ms", "best_effort_reason", "ttft_slo_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class CompletionChunk(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     BEST_EFFORT_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
+    BEST_EFFORT_REASON_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
@@ -88,8 +90,10 @@ class CompletionChunk(_message.Message):
     usage: Usage
     best_effort: bool
     tpot_slo_ms: float
+    slo_floor_ms: float
+    best_effort_reason: str
     ttft_slo_ms: float
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_verifier_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., best_effort: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_verifier_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., best_effort: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_floor_ms: _Optional[float] = ..., best_effort_reason: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

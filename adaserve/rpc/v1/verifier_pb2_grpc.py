@@ -61,7 +61,8 @@ class VerifierServicer:
 
     def Generate(self, request, context):
         """Submits one request and streams its output. The first message is an admission
-        header (no tokens; num_prompt_tokens and tpot_slo_ms set); then token chunks in
+        header (no tokens; num_prompt_tokens, tpot_slo_ms, slo_floor_ms and, for an SLO
+        judged unattainable, best_effort and best_effort_reason set); then token chunks in
         order; the last message has finish_reason set. Errors before the header:
         INVALID_ARGUMENT (bad prompt or parameters, prompt + max_tokens over the model's
         context), RESOURCE_EXHAUSTED (engine full: retry later; trailing metadata
