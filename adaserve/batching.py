@@ -56,6 +56,7 @@ class Prefilling:
     deadline_ms: float  # its TTFT deadline on the engine clock; the prefill order
     priority: int = 0  # vLLM-style: lower first among equal deadlines
     arrival_ms: float = 0.0
+    done: int = 0  # prompt tokens already prefilled: where its next chunk starts
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class BatchLimits:
     tree_budget: int  # B: the most tree tokens selection may verify (the verify knee)
     max_batch_tokens: int  # the most tokens one forward carries, trees and chunks
     min_prefill_tokens: int  # prefill progress per iteration while prompts wait
-    stretch: float = 2.0  # the most an iteration may outlast its decode work, as a factor
+    stretch: float = 1.5  # the most an iteration may outlast its decode work, as a factor
     depth: int = 0  # planned draft depth this iteration (0: no drafting)
     width: int = 1
     acceptance: float = 0.75  # per drafted token: expected tokens per tree
@@ -75,14 +76,17 @@ class BatchPlan:
     tree_budget: int  # tokens selection may spend on trees (>= one root per request)
     slo_tree_tokens: int  # tree tokens reserved for the decoding requests' SLOs
     time_limit_ms: float  # the iteration time planned (inf: nothing decoding)
+    prefill_context: float = 0.0  # chunk_context of the chunks
 
     @property
     def prefill_tokens(self) -> int:
         return sum(n for _, n in self.chunks)
 
 
-# ms of one forward over (tree tokens, prefill tokens): the latency model's prediction.
-ForwardCost = Callable[[int, int], float]
+# ms of one forward over (tree tokens, prefill tokens, prefill context): the latency
+# model's prediction. The context is what the chunks' attention adds for starting deep
+# in their prompts (`chunk_context`).
+ForwardCost = Callable[[int, int, float], float]
 
 
 def form_batch(
@@ -92,9 +96,12 @@ def form_batch(
     forward_ms: ForwardCost,
     overhead_ms: float = 0.0,
     now_ms: float = 0.0,
+    decode_ms: float | None = None,
 ) -> BatchPlan:
     """The iteration's split of tokens. `overhead_ms`: the iteration's time outside the
-    forward (drafting); `now_ms`: the engine clock, on which deadlines are given."""
+    forward (drafting); `now_ms`: the engine clock, on which deadlines are given;
+    `decode_ms`: how long a decode-only iteration of this batch takes, as measured
+    (None: the forward's prediction plus the overhead)."""
     n = len(decoding)
     slo_tokens = n + int(slo_draft_tokens(decoding, limits).sum())
     # Trees as large as the plan lets them be, up to the knee: a decode-only iteration.
@@ -108,21 +115,30 @@ def form_batch(
     cap = limits.max_batch_tokens
     order = sorted(prefilling, key=lambda p: (p.deadline_ms, p.priority, p.arrival_ms, p.id))
     if n == 0:
-        return BatchPlan(_chunks(order, min(cap, remaining)), n, 0, math.inf)
+        chunks = _chunks(order, min(cap, remaining))
+        return BatchPlan(chunks, n, 0, math.inf, chunk_context(chunks, order))
 
-    decode_ms = forward_ms(trees, 0) + overhead_ms
+    predicted = forward_ms(trees, 0, 0.0)
+    decode_ms = max(decode_ms or 0.0, predicted + overhead_ms)
+    overhead_ms = decode_ms - predicted  # all of the iteration outside the forward
+
+    def with_prefill(t: int, p: int) -> float:
+        return forward_ms(t, p, chunk_context(_chunks(order, p), order))
+
     expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
     slo_ms = min(d.tpot_slo_ms for d in decoding) * expected
     limit_ms = max(decode_ms, min(limits.stretch * decode_ms, slo_ms))
     budget_ms = limit_ms - overhead_ms
-    prefill = _most(lambda p: forward_ms(trees, p), budget_ms, max(cap - trees, 0))
+    prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
     need = _ttft_need(order, limit_ms, now_ms)
     if need > prefill and trees > slo_tokens:
         # Deadlines at risk: the throughput trees give way, the SLO trees stay.
-        trees = max(slo_tokens, min(trees, _most(lambda t: forward_ms(t, need), budget_ms, trees)))
-        prefill = _most(lambda p: forward_ms(trees, p), budget_ms, max(cap - trees, 0))
+        fit = _most(lambda t: with_prefill(t, need), budget_ms, trees)
+        trees = max(slo_tokens, min(trees, fit))
+        prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
     prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
-    return BatchPlan(_chunks(order, prefill), trees, slo_tokens, limit_ms)
+    chunks = _chunks(order, prefill)
+    return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))
 
 
 def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:
@@ -158,6 +174,14 @@ def _ttft_need(order: Sequence[Prefilling], iteration_ms: float, now_ms: float) 
         iterations = (p.deadline_ms - now_ms) / iteration_ms
         need = max(need, total / iterations if iterations > 1 else total)
     return math.ceil(need)
+
+
+def chunk_context(chunks: Sequence[tuple[str, int]], prompts: Sequence[Prefilling]) -> float:
+    """Thousands of (query, earlier prompt token) pairs the chunks' attention adds over
+    the same chunks at their prompts' start: a chunk of k tokens starting at s attends
+    k * s more keys (the latency curve, measured at a sequence's start, holds the rest)."""
+    start = {p.id: p.done for p in prompts}
+    return sum(k * start[rid] for rid, k in chunks) / 1000.0
 
 
 def _most(cost: Callable[[int], float], limit_ms: float, cap: int) -> int:

@@ -125,6 +125,9 @@ class SchedulerSettings(BaseModel):
 class LatencyCurve(BaseModel):
     tokens: list[PositiveFloat] = Field(min_length=1)
     ms: list[NonNegativeFloat] = Field(min_length=1)
+    # Extra ms per thousand (query, earlier prompt token) pairs: what a prefill chunk
+    # deep into a long prompt pays for attention beyond the curve's own.
+    context_ms: NonNegativeFloat = 0.0
 
     @model_validator(mode="after")
     def _check(self) -> LatencyCurve:
@@ -153,11 +156,11 @@ class EngineSettings(BaseModel):
     )
     # Prompt tokens every iteration prefills while prompts wait, however tight the
     # running requests' SLOs: prefill slows down under them but never stops.
-    min_prefill_tokens: PositiveInt = 16
+    min_prefill_tokens: PositiveInt = 8
     # Prefill chunks may lengthen an iteration to at most this multiple of its decode
     # work (and never past the running requests' TPOT SLOs): the most a prompt that
     # arrives slows the streams already running. Higher: faster TTFT, more jitter.
-    prefill_stretch: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    prefill_stretch: float = Field(default=1.5, ge=1.0, allow_inf_nan=False)
     # Forward latency (ms) against tokens per forward, e.g. from `adaserve profile`;
     # None: measured at startup where slo.baseline_tpot_ms is auto, else a knee-shaped
     # prior from the baseline and scheduler.budget. A learned drift factor scales it.

@@ -214,7 +214,7 @@ class Engine:
         if latency is None:
             curve = settings.engine.latency_curve
             latency = ForwardLatency(
-                Curve(tuple(curve.tokens), tuple(curve.ms))
+                Curve(tuple(curve.tokens), tuple(curve.ms), curve.context_ms)
                 if curve is not None
                 else Curve.knee(baseline, settings.scheduler.budget)
             )
@@ -404,6 +404,7 @@ class Engine:
                     r.ttft_deadline * 1000.0,
                     r.req.priority,
                     r.arrival * 1000.0,
+                    r.prefilled,
                 )
                 for r in prefilling
             ],
@@ -411,6 +412,9 @@ class Engine:
             self._iteration_ms,
             self._draft_ms if drafted else 0.0,
             now * 1000.0,
+            # What a decode-only iteration of this batch has taken, drafting and
+            # selection included: the work a prefill chunk may stretch.
+            self.tspec.measured_ms(self._decode_tokens(decoding, depth if drafted else 0, width)),
         )
         chunks = []
         for rid, n in batch.chunks:
@@ -421,9 +425,14 @@ class Engine:
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
 
-    def _iteration_ms(self, tree_tokens: int, prefill_tokens: int) -> float:
+    def _decode_tokens(self, decoding: list[_Request], depth: int, width: int) -> int:
+        """Tree tokens a decode-only iteration of this batch verifies at most."""
+        n = len(decoding)
+        return min(max(self.settings.scheduler.budget, n), n * (1 + depth * width))
+
+    def _iteration_ms(self, tree_tokens: int, prefill_tokens: int, context: float = 0.0) -> float:
         """Predicted forward latency, plus the drafter's ingestion of the chunks."""
-        return self.latency.predict_ms(tree_tokens, prefill_tokens) + (
+        return self.latency.predict_ms(tree_tokens, prefill_tokens, context) + (
             prefill_tokens * self._ingest_ms
         )
 
@@ -811,7 +820,7 @@ class Engine:
     ) -> None:
         tokens = sum(len(t) for t in selected)
         prefill = step.batch.prefill_tokens
-        self.latency.observe(tokens, prefill, (t3 - t2) * 1000.0)
+        self.latency.observe(tokens, prefill, step.batch.prefill_context, (t3 - t2) * 1000.0)
         speculate_ms = (t1 - t0) * 1000.0
         drafting = step.depth > 0 and bool(step.drafted)
         if prefill and self.drafter is not None and self.drafter.ok:

@@ -58,14 +58,14 @@ def build_engine(
         slo = settings.slo.model_copy(update={"baseline_tpot_ms": baseline})
         settings = settings.model_copy(update={"slo": slo})
         if settings.engine.latency_curve is None:
-            tokens, ms = measure_forward_curve(runner)
+            tokens, ms, context_ms = measure_forward_curve(runner)
             log.info(
-                "forward latency measured: %s",
+                "forward latency measured: %s; +%.3f ms per 1k pairs of prompt context",
                 ", ".join(f"{t:g} tokens {m:.1f} ms" for t, m in zip(tokens, ms, strict=True)),
+                context_ms,
             )
-            engine = settings.engine.model_copy(
-                update={"latency_curve": LatencyCurve(tokens=tokens, ms=ms)}
-            )
+            curve = LatencyCurve(tokens=tokens, ms=ms, context_ms=context_ms)
+            engine = settings.engine.model_copy(update={"latency_curve": curve})
             settings = settings.model_copy(update={"engine": engine})
     target = RunnerTarget(runner, eos_token_ids(tokenizer, runner))
     speculate = settings.engine.speculation

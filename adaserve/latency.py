@@ -31,10 +31,14 @@ def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Curve:
-    """Forward latency in ms against the number of new tokens it carries."""
+    """Forward latency in ms against the number of new tokens it carries (measured at the
+    start of a sequence), plus what prefill chunks deeper into their prompts pay for
+    attention: `context_ms` per thousand (query, earlier prompt token) pairs
+    (`batching.chunk_context`)."""
 
     tokens: tuple[float, ...]
     ms: tuple[float, ...]
+    context_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.ms):
@@ -44,8 +48,9 @@ class Curve:
         if any(not (m >= 0 and math.isfinite(m)) for m in self.ms):
             raise ValueError("latency curve: ms must be finite and >= 0")
 
-    def __call__(self, tree_tokens: int, prefill_tokens: int) -> float:
-        return interp(float(tree_tokens + prefill_tokens), self.tokens, self.ms)
+    def __call__(self, tree_tokens: int, prefill_tokens: int, context: float = 0.0) -> float:
+        n = float(tree_tokens + prefill_tokens)
+        return interp(n, self.tokens, self.ms) + self.context_ms * context
 
     @staticmethod
     def knee(step_ms: float, budget: int) -> Curve:
@@ -58,10 +63,10 @@ class Curve:
 
 @dataclass
 class ForwardLatency:
-    """Predicted ms of a forward over (tree tokens, prefill tokens): `base` times the
-    learned drift."""
+    """Predicted ms of a forward over (tree tokens, prefill tokens, prefill context in
+    thousands of pairs, `batching.chunk_context`): `base` times the learned drift."""
 
-    base: Callable[[int, int], float]
+    base: Callable[[int, int, float], float]
     alpha: float = 0.3  # weight of each new observation in the log-space mean
     _log_drift: float = field(default=0.0, repr=False)
 
@@ -69,11 +74,11 @@ class ForwardLatency:
     def drift(self) -> float:
         return math.exp(self._log_drift)
 
-    def predict_ms(self, tree_tokens: int, prefill_tokens: int = 0) -> float:
-        return self.base(tree_tokens, prefill_tokens) * self.drift
+    def predict_ms(self, tree_tokens: int, prefill_tokens: int = 0, context: float = 0.0) -> float:
+        return self.base(tree_tokens, prefill_tokens, context) * self.drift
 
-    def observe(self, tree_tokens: int, prefill_tokens: int, ms: float) -> None:
-        expected = self.base(tree_tokens, prefill_tokens)
+    def observe(self, tree_tokens: int, prefill_tokens: int, context: float, ms: float) -> None:
+        expected = self.base(tree_tokens, prefill_tokens, context)
         if expected > 0 and ms > 0 and math.isfinite(ms):
             ratio = math.log(ms / expected)
             self._log_drift += self.alpha * (ratio - self._log_drift)

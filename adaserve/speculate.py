@@ -201,7 +201,7 @@ class BeamDrafter:
         (where the runner can skip them)."""
         from adaserve.model.runner import SeqInput
 
-        inputs = [SeqInput.chain(u.id, chains[u.id]) for u in updates]
+        inputs = [SeqInput.chain(u.id, chains[u.id], prefill=True) for u in updates]
         if self._last_rows == "logits_indices":
             self.runner.forward(inputs, logits_indices=[])
         else:

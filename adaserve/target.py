@@ -86,7 +86,7 @@ class RunnerTarget:
         for seq_id in fresh:
             self.runner.add_sequence(seq_id)
         inputs = [SeqInput(it.seq_id, it.tree.tokens, it.tree.parents) for it in trees]
-        inputs += [SeqInput.chain(c.seq_id, c.tokens) for c in chunks]
+        inputs += [SeqInput.chain(c.seq_id, c.tokens, prefill=True) for c in chunks]
         # Logits for every tree node and for the last row of each completed prompt: the
         # LM head is skipped for the rest of the chunk rows.
         rows = list(range(sum(len(it.tree) for it in trees)))

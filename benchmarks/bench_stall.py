@@ -109,12 +109,22 @@ def gaps(run: dict) -> list[dict]:
         out.append(
             {
                 "median_before_ms": statistics.median(before) if before else None,
+                "worst_before_ms": max(before) if before else None,
+                "median_during_ms": statistics.median(during) if during else None,
+                "p90_during_ms": _pct(during, 90),
                 "worst_during_ms": max(during) if during else None,
                 "median_after_ms": statistics.median(after) if after else None,
                 "chunks_during": len(during),
             }
         )
     return out
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def measure(args: argparse.Namespace, name: str, env: dict[str, str], out: Path) -> dict:
@@ -190,7 +200,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--prompt-tokens", type=int, default=2000)
-    ap.add_argument("--max-tokens", type=int, default=400, help="tokens each stream generates")
+    ap.add_argument("--max-tokens", type=int, default=800, help="tokens each stream generates")
     ap.add_argument("--lead-s", type=float, default=3.0, help="streams run this long first")
     ap.add_argument("--all-in-one", action="store_true", help="one process (default: as make up)")
     ap.add_argument("--out", default="out/stall")
@@ -212,7 +222,8 @@ def main() -> None:
     layout = "--all-in-one" if args.all_in_one else "separate processes (make up)"
     print(f"layout: {layout}; prompt {args.prompt_tokens} tokens; 2 streams of {args.max_tokens}")
     print(
-        "| config | stream | median gap before | worst gap during prefill | ratio | median after | TTFT of the prompt | output = alone |"
+        "| config | stream | gap before: median / worst | during prefill: median / p90 / worst "
+        "| worst / median before | after: median | TTFT of the prompt | output = alone |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for res in results:
@@ -220,8 +231,9 @@ def main() -> None:
             before, worst = s["median_before_ms"], s["worst_during_ms"]
             ratio = f"{worst / before:.2f}x" if before and worst else "-"
             print(
-                f"| {res['config']} | {i + 1} | {_ms(before)} | {_ms(worst)} | {ratio} | "
-                f"{_ms(s['median_after_ms'])} | {res['ttft_ms'] / 1000:.2f} s | "
+                f"| {res['config']} | {i + 1} | {_ms(before)} / {_ms(s['worst_before_ms'])} | "
+                f"{_ms(s['median_during_ms'])} / {_ms(s['p90_during_ms'])} / {_ms(worst)} | "
+                f"{ratio} | {_ms(s['median_after_ms'])} | {res['ttft_ms'] / 1000:.2f} s | "
                 f"{res['identical_to_alone'][i]} |"
             )
     (out / "stall.json").write_text(json.dumps({"layout": layout, "results": results}, indent=1))

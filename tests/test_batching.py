@@ -23,7 +23,7 @@ from adaserve.batching import (
 from adaserve.latency import Curve
 
 # A GPU-like forward: flat to the knee (64 tokens), linear after.
-GPU = Curve.knee(20.0, 64)
+GPU = Curve.knee(20.0, 64)  # (tree, prefill, context) -> ms
 LIMITS = BatchLimits(tree_budget=64, max_batch_tokens=2048, min_prefill_tokens=16)
 
 
@@ -67,18 +67,18 @@ def test_ties_on_deadline_go_by_priority_then_arrival() -> None:
 
 
 def test_prefill_rides_in_the_time_the_decoders_allow() -> None:
-    """Two relaxed decoders: the iteration may stretch to 2x their decode work; the
-    chunk is as large as fits in that time on the latency model."""
+    """Two relaxed decoders: the iteration may stretch to `stretch` x their decode work;
+    the chunk is as large as fits in that time on the latency model."""
     decoders = [dec(0, slo=1000.0), dec(1, slo=1000.0)]
     plan = form_batch(decoders, [pre(0, 5000)], LIMITS, GPU)
     decode_ms = GPU(2, 0)
-    assert plan.time_limit_ms == pytest.approx(2 * decode_ms)
+    assert plan.time_limit_ms == pytest.approx(LIMITS.stretch * decode_ms)
     assert GPU(2, plan.prefill_tokens) <= plan.time_limit_ms
     assert GPU(2, plan.prefill_tokens + 1) > plan.time_limit_ms
 
 
 def test_the_tightest_tpot_slo_caps_the_iteration() -> None:
-    """An SLO of 1.2x the decode step leaves 0.2x of it to prefill, not the stretch's 2x;
+    """An SLO of 1.2x the decode step leaves 0.2x of it to prefill, not the stretch's;
     with drafting the cap is the SLO times the tokens a tree is expected to yield."""
     decoders = [dec(0, slo=1000.0), dec(1, slo=1.2 * GPU(2, 0))]
     plan = form_batch(decoders, [pre(0, 5000)], LIMITS, GPU)
@@ -87,7 +87,8 @@ def test_the_tightest_tpot_slo_caps_the_iteration() -> None:
     plan = form_batch(decoders, [pre(0, 5000)], limits, GPU)
     expected = 1 + 0.5 + 0.25 + 0.125
     decode_ms = GPU(8, 0)  # two chains of 1 + 3 nodes
-    assert plan.time_limit_ms == pytest.approx(min(2 * decode_ms, 1.2 * GPU(2, 0) * expected))
+    want = min(limits.stretch * decode_ms, 1.2 * GPU(2, 0) * expected)
+    assert plan.time_limit_ms == pytest.approx(want)
 
 
 def test_min_prefill_is_guaranteed_however_tight_the_slos() -> None:
@@ -204,3 +205,17 @@ def test_a_steady_stream_of_tight_requests_does_not_starve_a_relaxed_prompt() ->
     )
     assert done_at is not None  # the relaxed prompt got through
     assert ttfts and np.median(ttfts) <= 10  # and the tight ones were served meanwhile
+
+
+def test_a_chunk_deep_in_its_prompt_is_smaller_for_the_same_time() -> None:
+    """Attention over the prompt's earlier tokens costs what the curve's context_ms says
+    per thousand (query, key) pairs: deeper chunks get fewer tokens in the same time."""
+    curve = Curve((1.0, 64.0, 512.0), (10.0, 20.0, 120.0), context_ms=0.5)
+    decoders = [dec(0, slo=1000.0), dec(1, slo=1000.0)]
+    start = form_batch(decoders, [pre(0, 4000)], LIMITS, curve)
+    deep = form_batch(decoders, [pre(0, 4000, done=1500)], LIMITS, curve)
+    assert 0 < deep.prefill_tokens < start.prefill_tokens
+    assert deep.prefill_context == pytest.approx(deep.prefill_tokens * 1500 / 1000)
+    p = deep.prefill_tokens
+    assert curve(2, p, deep.prefill_context) <= deep.time_limit_ms
+    assert curve(2, p + 1, (p + 1) * 1.5) > deep.time_limit_ms

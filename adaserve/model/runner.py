@@ -30,13 +30,17 @@ class SeqInput:
     parents: np.ndarray  # int32 [k]: index into the sequence's scratch nodes (earlier
     # calls' scratch first, then these), or -1 = child of the committed prefix.
     # Position = committed_len + depth.
+    prefill: bool = False  # a prompt chunk, not tree nodes: attention may take another path
 
     @staticmethod
-    def chain(seq_id: str, tokens: Sequence[int] | np.ndarray) -> SeqInput:
+    def chain(seq_id: str, tokens: Sequence[int] | np.ndarray, prefill: bool = False) -> SeqInput:
         """A prefill chunk / plain decode step: each token the child of the previous."""
         k = len(tokens)
         return SeqInput(
-            seq_id, np.asarray(tokens, dtype=np.int32), np.arange(-1, k - 1, dtype=np.int32)
+            seq_id,
+            np.asarray(tokens, dtype=np.int32),
+            np.arange(-1, k - 1, dtype=np.int32),
+            prefill,
         )
 
 
@@ -161,6 +165,7 @@ class ModelRunner:
             kv_slots=kv_slots,
             visible=visible,
             block_tables=tables,
+            prefill=[x.prefill for x in inputs],
         )
         return batch, np.concatenate(positions)
 

@@ -148,7 +148,7 @@ def simulate(
             # the moment (a live engine's drift factor tracks that within a few
             # iterations), not the knee prior.
             latency=ForwardLatency(
-                lambda t, p, clock=clock: profile.forward_ms(t, p, 0, clock.now)
+                lambda t, p, _ctx, clock=clock: profile.forward_ms(t, p, 0, clock.now)
             ),
         )
         units.append(Unit(u, clock, engine, target, drafter))

@@ -68,7 +68,7 @@ class _Seqs:
         for sid in self.ids:
             runner.add_sequence(sid)
             toks = rng.integers(0, runner.vocab_size, size=per, dtype=np.int32)
-            runner.forward([SeqInput.chain(sid, toks)], logits_indices=[per - 1])
+            runner.forward([SeqInput.chain(sid, toks, prefill=True)], logits_indices=[per - 1])
             runner.commit(sid, range(per))
 
     def forward(self, tokens: int, rng: np.random.Generator, chain: bool, all_logits: bool):
@@ -118,36 +118,56 @@ def measure_baseline_ms(runner, reps: int = 5, seed: int = 0) -> float:
 
 
 FORWARD_CURVE_TOKENS = (1, 8, 32, 128, 512)
+CONTEXT_PROBE = (128, 1024)  # a chunk of 128 tokens, at a prompt's start and 1k tokens in
 
 
 def measure_forward_curve(
     runner, tokens: Sequence[int] = FORWARD_CURVE_TOKENS, reps: int = 2, seed: int = 0
-) -> tuple[list[float], list[float]]:
-    """Forward latency against the tokens one forward carries (the engine's latency
-    model, `engine.latency_curve`): a chain of N new tokens over 256 tokens of context,
-    with logits for every row up to 32 (trees) and for the last row beyond (prefill
-    chunks skip the LM head). Leaves no sequence behind."""
+) -> tuple[list[float], list[float], float]:
+    """The engine's latency model (`engine.latency_curve`): forward latency against the
+    tokens one forward carries, a chain of N new tokens at a sequence's start with
+    logits for every row up to 32 (trees) and for the last row beyond (prefill chunks
+    skip the LM head); and `context_ms`, what each thousand (query, earlier token)
+    pairs add, from a 128-token chunk 1k tokens into its prompt against the same chunk
+    at the start. Leaves no sequence behind."""
     from adaserve.model.runner import SeqInput
 
     rng = np.random.default_rng(seed)
-    points = [t for t in tokens if 256 + t < runner.max_model_len] or [1]
-    seqs = _Seqs(runner, "__curve", 256 * MAX_SEQS, rng)
-    ms = []
-    try:
-        for n in points:
-            sid = seqs.ids[0]
+    points = [t for t in tokens if t < runner.max_model_len] or [1]
 
-            def once(n: int = n, sid: str = sid) -> None:
+    def chunk_ms(n: int, start: int) -> float:
+        def once() -> None:
+            runner.add_sequence("__curve")
+            try:
+                if start:
+                    head = rng.integers(0, runner.vocab_size, size=start, dtype=np.int32)
+                    head_in = SeqInput.chain("__curve", head, prefill=True)
+                    runner.forward([head_in], logits_indices=[])
+                    runner.commit("__curve", range(start))
                 toks = rng.integers(0, runner.vocab_size, size=n, dtype=np.int32)
-                rows = list(range(n)) if n <= 32 else [n - 1]
-                runner.forward([SeqInput.chain(sid, toks)], logits_indices=rows)
+                # up to 32 tokens: a tree's nodes, all logits; beyond: a chunk, its last
+                prefill = n > 32
+                rows = [n - 1] if prefill else list(range(n))
                 _sync(runner)
-                runner.commit(sid, [])
+                t0 = time.perf_counter()
+                inp = SeqInput.chain("__curve", toks, prefill=prefill)
+                runner.forward([inp], logits_indices=rows)
+                _sync(runner)
+                times.append((time.perf_counter() - t0) * 1000.0)
+            finally:
+                runner.free("__curve")
 
-            ms.append(_median_ms(once, reps))
-    finally:
-        seqs.free()
-    return [float(t) for t in points], ms
+        times: list[float] = []
+        for _ in range(max(1, reps) + 1):  # the first is a warm-up
+            once()
+        return statistics.median(times[1:])
+
+    ms = [chunk_ms(n, 0) for n in points]
+    k, s = CONTEXT_PROBE
+    context_ms = 0.0
+    if k + s < runner.max_model_len:
+        context_ms = max(0.0, (chunk_ms(k, s) - chunk_ms(k, 0)) / (k * s / 1000.0))
+    return [float(t) for t in points], ms, context_ms
 
 
 def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
@@ -189,7 +209,7 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
         def once(p: int = p) -> None:
             runner.add_sequence("prefill")
             toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
-            runner.forward([SeqInput.chain("prefill", toks)], logits_indices=[p - 1])
+            runner.forward([SeqInput.chain("prefill", toks, prefill=True)], logits_indices=[p - 1])
             _sync(runner)
             runner.free("prefill")
 
@@ -218,7 +238,7 @@ def measure_mixed(runner, grid: ProfileGrid, rng, log=print) -> MixedTable:
                 ]
                 runner.add_sequence("mixed-prompt")
                 prompt = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
-                inputs.append(SeqInput.chain("mixed-prompt", prompt))
+                inputs.append(SeqInput.chain("mixed-prompt", prompt, prefill=True))
                 runner.forward(inputs, logits_indices=[*range(t), t + p - 1])
                 _sync(runner)
                 for sid in seqs.ids[:k]:
