@@ -212,8 +212,9 @@ def test_a_chunk_deep_in_its_prompt_is_smaller_for_the_same_time() -> None:
     per thousand (query, key) pairs: deeper chunks get fewer tokens in the same time."""
     curve = Curve((1.0, 64.0, 512.0), (10.0, 20.0, 120.0), context_ms=0.5)
     decoders = [dec(0, slo=1000.0), dec(1, slo=1000.0)]
-    start = form_batch(decoders, [pre(0, 4000)], LIMITS, curve)
-    deep = form_batch(decoders, [pre(0, 4000, done=1500)], LIMITS, curve)
+    limits = BatchLimits(tree_budget=64, max_batch_tokens=2048, min_prefill_tokens=1)
+    start = form_batch(decoders, [pre(0, 4000)], limits, curve)
+    deep = form_batch(decoders, [pre(0, 4000, done=1500)], limits, curve)
     assert 0 < deep.prefill_tokens < start.prefill_tokens
     assert deep.prefill_context == pytest.approx(deep.prefill_tokens * 1500 / 1000)
     p = deep.prefill_tokens
