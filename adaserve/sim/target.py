@@ -39,8 +39,8 @@ class TargetStats:
     drafted_emitted: int = 0
     prefill_tokens: int = 0
     mixed_iterations: int = 0  # forwards carrying both trees and prefill chunks
-    # per iteration with trees: (batch size, tree tokens verified)
-    batches: list[tuple[int, int]] = field(default_factory=list)
+    # per iteration with trees: (batch size, tree tokens verified, prefill tokens beside)
+    batches: list[tuple[int, int, int]] = field(default_factory=list)
     # (simulated start time s, ms charged) of every forward: those carrying trees
     # (prefill chunks riding along included) and those carrying prompt chunks alone:
     # phase time per window of simulated time (driver.phase_windows)
@@ -96,7 +96,7 @@ class SimTarget:
         st.prefill_tokens += prefill_tokens
         if trees:
             st.verify_log.append((start, ms))
-            st.batches.append((len(trees), tree_tokens))
+            st.batches.append((len(trees), tree_tokens, prefill_tokens))
         else:
             st.prefill_log.append((start, ms))
         if trees and chunks:
