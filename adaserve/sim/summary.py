@@ -101,11 +101,16 @@ def _group(records: list[RequestRecord], span_s: float) -> dict[str, Any]:
         "ttft_p90_ms": _pct(ttfts, 90),
         "ttft_p99_ms": _pct(ttfts, 99),
         "tpot_slo_ms": records[0].tpot_slo_ms if n and _same_slo(records) else None,
+        "ttft_slo_ms": records[0].ttft_slo_ms if n and _same_ttft(records) else None,
         # tokens per verification step (bonus included), when steps were recorded
         "mean_accepted": (
             sum(r.num_tokens - 1 for r in records if r.decode_steps) / steps if steps else None
         ),
     }
+
+
+def _same_ttft(records: list[RequestRecord]) -> bool:
+    return all(r.ttft_slo_ms == records[0].ttft_slo_ms for r in records)
 
 
 def _same_slo(records: list[RequestRecord]) -> bool:
