@@ -161,6 +161,12 @@ class EngineSettings(BaseModel):
     # work (and never past the running requests' TPOT SLOs): the most a prompt that
     # arrives slows the streams already running. Higher: faster TTFT, more jitter.
     prefill_stretch: float = Field(default=1.5, ge=1.0, allow_inf_nan=False)
+    # Automatic prefix caching (target and drafter): full KV blocks are shared by
+    # requests whose tokens start alike, and kept, least recently used evicted first.
+    prefix_caching: bool = True
+    # Fraction of KV blocks kept free at admission (vLLM's watermark): room for the
+    # running requests to grow before preemption has to make it.
+    kv_watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
     # Forward latency (ms) against tokens per forward, e.g. from `adaserve profile`;
     # None: measured at startup where slo.baseline_tpot_ms is auto, else a knee-shaped
     # prior from the baseline and scheduler.budget. A learned drift factor scales it.

@@ -103,9 +103,12 @@ class _Request:
     best_effort: bool = False
     first_token_t: float | None = None
     last_token_t: float | None = None
-    prefilled: int = 0  # prompt tokens whose KV the target holds
+    prefilled: int = 0  # tokens whose KV the target holds (prefix-cache hits included)
+    # Tokens to hold before decoding: the prompt; after a preemption every token but the
+    # last, which roots the next tree again (recompute, not swap).
+    prefill_target: int = 0
     drafter_len: int = 0  # tokens the drafter holds as committed
-    reserved_tokens: int = 0
+    preemptions: int = 0
     finished: bool = False
 
     @property
@@ -118,7 +121,7 @@ class _Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < self.num_prompt
+        return self.prefilled < self.prefill_target
 
     @property
     def deadline(self) -> float | None:
@@ -206,8 +209,15 @@ class Engine:
         self.acceptance = (
             AcceptanceEstimate(adaptive.acceptance) if adaptive.learn_acceptance else None
         )
+        # The longest sequence the KV cache can hold beside one tree of scratch: a
+        # request is never admitted that could not run alone.
+        adaptive = settings.scheduler.adaptive
+        scratch = 1 + adaptive.d_max * adaptive.w_max if self.drafter is not None else 1
+        self.kv_tokens = target.num_blocks * target.block_size
         self.max_model_len = min(
-            target.max_model_len, settings.engine.max_model_len or target.max_model_len
+            target.max_model_len,
+            settings.engine.max_model_len or target.max_model_len,
+            self.kv_tokens - scratch,
         )
         baseline = self.baseline_tpot_ms
         self.tspec = _TSpecPredictor(baseline, settings.scheduler.correction_factor)
@@ -228,7 +238,6 @@ class Engine:
         self._wake = threading.Event()
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
-        self._reserved = 0
         self._iterations = 0
         self._arrivals = itertools.count()
         # Ids of submitted, not yet retired requests: a second request under a live id
@@ -331,7 +340,7 @@ class Engine:
         self._expire_deadlines()
         self._admit()
         self._prefill_queue = tuple(
-            (r.ttft_deadline, r.num_prompt - r.prefilled)
+            (r.ttft_deadline, r.prefill_target - r.prefilled)
             for r in [*self._waiting, *self._running.values()]
             if r.prefilling
         )
@@ -343,6 +352,7 @@ class Engine:
         trees = self._speculate(step)
         t1 = self.clock()
         selected = self._select(step, trees)
+        step, selected = self._fit_kv(step, selected)
         t2 = self.clock()
         items = [
             VerifyItem(
@@ -400,7 +410,7 @@ class Engine:
             [
                 Prefilling(
                     r.req.id,
-                    r.num_prompt - r.prefilled,
+                    r.prefill_target - r.prefilled,
                     r.ttft_deadline * 1000.0,
                     r.req.priority,
                     r.arrival * 1000.0,
@@ -420,7 +430,9 @@ class Engine:
         for rid, n in batch.chunks:
             r = self._running[rid]
             toks = np.asarray(r.tokens[r.prefilled : r.prefilled + n], dtype=np.int32)
-            last = r.prefilled + n == r.num_prompt
+            # The chunk that completes a prompt samples the first token; one that
+            # completes a preempted request's recompute does not (its root is known).
+            last = r.prefilled + n == r.prefill_target and r.num_generated == 0
             chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator)
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
@@ -564,6 +576,58 @@ class Engine:
             )
         return self.local_scheduler.select(progress, trees, replace(params, policy="adaserve"))
 
+    def _fit_kv(
+        self, step: _Step, selected: list[CandidateTree]
+    ) -> tuple[_Step, list[CandidateTree]]:
+        """Preempt until the forward's new KV fits in the free blocks: the trees'
+        scratch and the chunks' tokens. The victim is always the running request with
+        the lowest priority, then the most slack against its SLO, whoever needs the
+        blocks: a relaxed request gives way to a tight one, never the reverse."""
+        while True:
+            growth = {r.req.id: len(t) for r, t in zip(step.decoding, selected, strict=True)}
+            for r, c in step.chunks:
+                growth[r.req.id] = growth.get(r.req.id, 0) + len(c.tokens)
+            if self.target.blocks_needed(growth) <= self.target.free_blocks():
+                return step, selected
+            victim = self._victim()
+            self._preempt(victim)
+            keep = [i for i, r in enumerate(step.decoding) if r is not victim]
+            selected = [selected[i] for i in keep]
+            step = replace(
+                step,
+                decoding=[step.decoding[i] for i in keep],
+                drafted=[r for r in step.drafted if r is not victim],
+                chunks=[(r, c) for r, c in step.chunks if r is not victim],
+            )
+
+    def _victim(self) -> _Request:
+        now = self.clock()
+
+        def slack_ms(r: _Request) -> float:
+            if r.num_generated == 0:  # not started: how long its first token may wait
+                return (r.ttft_deadline - now) * 1000.0
+            elapsed, decoded = self._elapsed_decoded(r, now)
+            return r.req.tpot_slo_ms * (decoded + 1) - elapsed
+
+        return max(self._running.values(), key=lambda r: (r.req.priority, slack_ms(r)))
+
+    def _preempt(self, r: _Request) -> None:
+        """Preemption by recompute: free the request's KV (its full blocks stay in the
+        prefix cache, so coming back is cheap while they are not evicted) and queue it
+        again; it keeps its tokens and its stream, and later recomputes the KV of all but
+        its last token in chunks, that token rooting its next tree as before."""
+        self.target.free(r.req.id)
+        if self.drafter is not None and r.drafter_len:
+            self.drafter.release([r.req.id])
+        r.drafter_len = 0
+        r.prefilled = 0
+        r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
+        r.preemptions += 1
+        del self._running[r.req.id]
+        self._waiting.append(r)
+        metrics.preemptions_total.inc()
+        log.debug("preempted %s (%d tokens) for KV", r.req.id, len(r.tokens))
+
     def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
         if r.finished:
@@ -624,6 +688,11 @@ class Engine:
             raise ValueError("max_tokens must be at least 1")
         if not (req.tpot_slo_ms > 0 and math.isfinite(req.tpot_slo_ms)):
             raise ValueError("tpot_slo_ms must be a positive number")
+        if len(req.prompt_token_ids) >= self.kv_tokens:
+            raise ValueError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) is longer than the KV cache "
+                f"holds ({self.kv_tokens} tokens; engine.kv_memory_gb / kv_blocks size it)"
+            )
         if len(req.prompt_token_ids) + sp.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({sp.max_tokens}) "
@@ -662,32 +731,32 @@ class Engine:
             detok=detok,
             generator=self.target.make_generator(req.sampling.seed),
             ttft_deadline=arrival + ttft / 1000.0,
+            prefill_target=len(req.prompt_token_ids),
         )
         r.best_effort = self._judge_best_effort(r)
         return r
 
     def _admit(self) -> None:
-        """Admit what fits: admitted requests are prefilled in chunks by the next
-        iterations (batch formation decides how many tokens each gets)."""
+        """Admit in (priority, arrival) order while a running slot and free KV blocks
+        above the watermark remain. Nothing is reserved ahead: a request holds blocks
+        for what it has committed plus its current scratch, taken as it grows (and
+        freed by preemption when they run out), so no request's size blocks another's
+        admission. The prompt's longest cached prefix is taken from the prefix cache
+        here; admitted requests are prefilled in chunks by the next iterations."""
         if not self._waiting:
             return
-        # vLLM-style priority: lower value first, then arrival order.
+        # vLLM-style priority: lower value first, then arrival order (a preempted request
+        # keeps its arrival, so it goes back in front of later ones).
         self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
-        max_tree = self._max_tree_nodes()
+        watermark = math.ceil(self.settings.engine.kv_watermark * self.target.num_blocks)
         while self._waiting and len(self._running) < self.settings.engine.max_running:
-            r = self._waiting[0]
-            # Reserve the request's whole KV up front (prompt + output + one tree of
-            # scratch): a running request can then never hit an exhausted cache.
-            need = r.num_prompt + r.req.sampling.max_tokens + max_tree
-            if not self.target.can_reserve(self._reserved + need):
-                if not self._running:
-                    self._waiting.pop(0)
-                    self._finish(r, "error", error="request does not fit in the KV cache")
-                    continue
+            if self.target.free_blocks() <= watermark:
                 break
-            self._waiting.pop(0)
-            r.reserved_tokens = need
-            self._reserved += need
+            r = self._waiting.pop(0)
+            tokens = r.tokens[: r.prefill_target]
+            r.prefilled = self.target.add_sequence(r.req.id, tokens)
+            metrics.prefix_cache_queries.inc(len(tokens))
+            metrics.prefix_cache_hits.inc(r.prefilled)
             self._running[r.req.id] = r
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
@@ -733,12 +802,6 @@ class Engine:
             return True
         return False
 
-    def _max_tree_nodes(self) -> int:
-        if self.drafter is None:
-            return 1
-        a = self.settings.scheduler.adaptive
-        return 1 + a.d_max * a.w_max
-
     # ---- retirement ----------------------------------------------------------------
 
     def _expire_deadlines(self) -> None:
@@ -779,8 +842,7 @@ class Engine:
         if r in self._waiting:
             self._waiting.remove(r)
         if self._running.pop(r.req.id, None) is not None:
-            self.target.free(r.req.id)  # a request never prefilled holds nothing: a no-op
-            self._reserved -= r.reserved_tokens
+            self.target.free(r.req.id)
             if self.drafter is not None and r.drafter_len:
                 self.drafter.release([r.req.id])
         self._record_finish(r, reason)

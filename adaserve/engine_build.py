@@ -47,6 +47,7 @@ def build_engine(
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
         cpu_kernel=ms.cpu_kernel,
+        prefix_caching=settings.engine.prefix_caching,
     )
     tokenizer = load_tokenizer(target_dir)
     if settings.slo.baseline_tpot_ms == "auto":
@@ -105,6 +106,7 @@ def build_drafter(
         max_model_len=settings.engine.max_model_len,
         quantization=ms.drafter_quantization,
         cpu_kernel=ms.cpu_kernel,
+        prefix_caching=settings.engine.prefix_caching,
     )
     return BeamDrafter(runner)
 

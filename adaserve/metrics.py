@@ -35,6 +35,18 @@ requests_total = Counter(
 num_running = Gauge("adaserve_num_requests_running", "Requests in the decode batch")
 num_waiting = Gauge("adaserve_num_requests_waiting", "Requests waiting for admission")
 kv_usage = Gauge("adaserve_kv_cache_usage_perc", "Fraction of target KV blocks in use")
+drafter_kv_usage = Gauge(
+    "adaserve_drafter_kv_cache_usage_perc", "Fraction of the in-process drafter's KV blocks in use"
+)
+preemptions_total = Counter(
+    "adaserve_num_preemptions_total", "Requests preempted (KV freed, recomputed later)"
+)
+prefix_cache_queries = Counter(
+    "adaserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"
+)
+prefix_cache_hits = Counter(
+    "adaserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not recomputed)"
+)
 
 iterations_total = Counter("adaserve_iterations_total", "Decode iterations")
 prefill_tokens_total = Counter(

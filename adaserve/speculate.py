@@ -38,6 +38,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from adaserve import metrics
+from adaserve.model.block_manager import KVCacheFull
 from adaserve.tree import CandidateTree
 
 # Conditional log-probs are floored here so trees stay finite when the drafter gives a
@@ -105,6 +107,23 @@ class BeamDrafter:
     def speculate(
         self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
     ) -> list[CandidateTree]:
+        try:
+            trees = self._speculate(updates, depth, width, stop_prob)
+        except KVCacheFull:
+            # The draft KV follows the target's rule: blocks on demand, and under
+            # pressure the requests not in this call give theirs up (they re-sync from
+            # their history when next asked: DrafterStateLost).
+            idle = set(self._pending) - {u.id for u in updates}
+            if not idle:
+                raise
+            self.release(sorted(idle))
+            trees = self._speculate(updates, depth, width, stop_prob)
+        metrics.drafter_kv_usage.set(float(self.runner.kv_usage()))
+        return trees
+
+    def _speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float
+    ) -> list[CandidateTree]:
         if depth < 0 or width < 1:
             raise ValueError(f"speculate: need depth >= 0 and width >= 1, got {depth}, {width}")
         if not (0.0 <= stop_prob < 1.0):  # NaN fails too
@@ -117,12 +136,15 @@ class BeamDrafter:
 
         # Full histories (first call, or a resync after DrafterStateLost) start afresh.
         fresh = {u.id for u, new in zip(updates, news, strict=True) if new.shape[0] == u.total_len}
-        for sid in fresh:
-            self._drop(sid)
-            self.runner.add_sequence(sid)
-            self._pending[sid] = np.zeros(0, dtype=np.int32)
+        cached: dict[str, int] = {}
+        for u, new in zip(updates, news, strict=True):
+            if u.id in fresh:
+                self._drop(u.id)
+                # The draft KV's prefix cache may hold the history's start already.
+                cached[u.id] = self.runner.add_sequence(u.id, new)
+                self._pending[u.id] = np.zeros(0, dtype=np.int32)
         chains = {
-            u.id: np.concatenate([self._pending[u.id], new])
+            u.id: np.concatenate([self._pending[u.id], new[cached.get(u.id, 0) :]])
             for u, new in zip(updates, news, strict=True)
         }
         roots = [int(chains[u.id][-1]) for u in updates]

@@ -31,11 +31,11 @@ class VerifyItem:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """The next prompt tokens of a request being prefilled."""
+    """The next prompt tokens of a request being prefilled (its sequence was added)."""
 
     seq_id: str
     tokens: np.ndarray  # int32 [k]: prompt tokens start .. start + k - 1
-    start: int  # 0: the request's first chunk (its KV sequence is created)
+    start: int  # position of tokens[0]: what the sequence already holds
     last: bool  # the chunk ends the prompt: its last row gives the first output token
     sampling: SamplingParams
     generator: TokenRng | None
@@ -51,6 +51,13 @@ class TargetModel(Protocol):
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks in all
+
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        """Start a request's KV sequence for the prompt `tokens`; returns how many of
+        them the prefix cache holds already (the rest is prefilled in chunks)."""
+        ...
 
     def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
         """One forward over the selected trees and the prefill chunks: verify each tree
@@ -60,12 +67,19 @@ class TargetModel(Protocol):
 
     def free(self, seq_id: str) -> None: ...
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        """Whether the KV cache can hold `total_tokens` tokens spread over the running
-        requests (the engine reserves each request's maximum at admission)."""
+    def free_blocks(self) -> int:
+        """KV blocks a forward can still take."""
+        ...
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        """New KV blocks the sequences need for `growth[id]` more tokens each."""
         ...
 
     def kv_usage(self) -> float: ...
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up, tokens found) in the prefix cache so far."""
+        ...
 
     def make_generator(self, seed: int | None) -> TokenRng | None: ...
 
@@ -78,13 +92,15 @@ class RunnerTarget:
         self.vocab_size = int(runner.vocab_size)
         self.max_model_len = int(runner.max_model_len)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.block_size = int(runner.block_size)
+        self.num_blocks = int(runner.num_blocks)
+
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        return self.runner.add_sequence(seq_id, tokens)
 
     def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
         from adaserve.model.runner import SeqInput
 
-        fresh = [c.seq_id for c in chunks if c.start == 0]
-        for seq_id in fresh:
-            self.runner.add_sequence(seq_id)
         inputs = [SeqInput(it.seq_id, it.tree.tokens, it.tree.parents) for it in trees]
         inputs += [SeqInput.chain(c.seq_id, c.tokens, prefill=True) for c in chunks]
         # Logits for every tree node and for the last row of each completed prompt: the
@@ -97,12 +113,7 @@ class RunnerTarget:
             if c.last:
                 finals.append(len(rows))
                 rows.append(pos - 1)
-        try:
-            logits = self.runner.forward(inputs, logits_indices=rows)
-        except BaseException:
-            for seq_id in fresh:  # nothing half-built: the engine may retry the request
-                self.runner.free(seq_id)
-            raise
+        logits = self.runner.forward(inputs, logits_indices=rows)  # KVCacheFull: nothing done
         n_tree = sum(len(it.tree) for it in trees)
         verified = verify_batch(
             [it.tree for it in trees],
@@ -130,11 +141,14 @@ class RunnerTarget:
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        cache = self.runner.cache
-        # One partly filled block per sequence is the worst-case fragmentation.
-        slack = (len(cache.seqs) + 1) * cache.block_size
-        return total_tokens + slack <= cache.allocator.num_blocks * cache.block_size
+    def free_blocks(self) -> int:
+        return int(self.runner.free_blocks())
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        return int(self.runner.blocks_needed(growth))
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.runner.prefix_cache_stats()
 
     def kv_usage(self) -> float:
         return float(self.runner.kv_usage())

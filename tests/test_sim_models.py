@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def test_costs_double_in_a_window_with_factor_two():
         sampler = BetaDraft(DraftShape())
         drafter = SimDrafter(p, clock, lambda _id: sampler, np.random.default_rng(0))
         t0 = clock.now
-        target.forward([], [prompt("a", 100)])
+        prefill(target, ["a"], 100)
         t1 = clock.now
         (tree,) = drafter.speculate(_updates(["a"]), depth=3, width=2)
         t2 = clock.now
@@ -252,8 +253,17 @@ def test_generation_is_deterministic():
 
 
 def prompt(seq_id: str, n: int) -> PrefillChunk:
-    """A whole n-token prompt as one prefill chunk."""
-    return PrefillChunk(seq_id, np.ones(n, dtype=np.int32), 0, True, SamplingParams(), None)
+    """A whole n-token prompt as one prefill chunk (distinct ids: no prefix sharing)."""
+    ids = np.arange(n, dtype=np.int32) + 1000 * (zlib.crc32(seq_id.encode()) % 40)
+    return PrefillChunk(seq_id, ids, 0, True, SamplingParams(), None)
+
+
+def prefill(target: SimTarget, ids: list[str], n: int) -> None:
+    """Add each sequence and prefill an n-token prompt for it in one forward."""
+    chunks = [prompt(i, n) for i in ids]
+    for c in chunks:
+        target.add_sequence(c.seq_id, c.tokens.tolist())
+    target.forward([], chunks)
 
 
 def _updates(ids, new=3):
@@ -301,7 +311,7 @@ def test_target_acceptance_matches_path_probabilities():
     d = SimDrafter(prof, clock, lambda _id: sampler, np.random.default_rng(1))
     t = SimTarget(prof, clock, CalibratedAcceptance(), np.random.default_rng(2))
     ids = [f"r{i}" for i in range(16)]
-    t.forward([], [prompt(i, 10) for i in ids])
+    prefill(t, ids, 10)
     trees = d.speculate(_updates(ids), depth=4, width=3)
     progress = [RequestProgress(i, 40.0, 0.0, 0) for i in ids]
     sel = select(progress, trees, SelectionParams(budget=100, depth=4, t_spec_ms=50.0))
@@ -326,7 +336,7 @@ def test_target_caps_at_max_new_and_charges_verify_time():
     prof = load_profile(LLAMA)
     clock = VirtualClock()
     t = SimTarget(prof, clock, CalibratedAcceptance(), np.random.default_rng(0))
-    t.forward([], [prompt("a", 100)])
+    prefill(t, ["a"], 100)
     after_prefill = clock.now
     assert after_prefill * 1000 == pytest.approx(prof.prefill_ms(100))
     chain = CandidateTree.chain([5, 6, 7, 8], [0.0, 0.0, 0.0, 0.0])  # q = 1: all accepted
@@ -390,10 +400,11 @@ def test_a_mixed_forward_is_charged_once_for_trees_and_chunks():
     # ... and SimTarget charges exactly that for one forward
     clock = VirtualClock()
     t = SimTarget(mixed, clock, CalibratedAcceptance(), np.random.default_rng(0))
-    t.forward([], [prompt("a", 100)])
+    prefill(t, ["a"], 100)
     before = clock.now
     tree = CandidateTree.chain([5, 6], [0.0, -0.1])
     chunk = PrefillChunk("b", np.ones(40, dtype=np.int32), 0, False, SamplingParams(), None)
+    t.add_sequence("b", [1] * 80)
     res = t.forward([VerifyItem("a", tree, SamplingParams(max_tokens=9), None, 9)], [chunk])
     assert res.first_tokens == [None] and len(res.verified) == 1
     assert (clock.now - before) * 1000 == pytest.approx(mixed.forward_ms(2, 40, 100))

@@ -131,7 +131,14 @@ def simulate(
     units = []
     for u in range(workload.units):
         clock = VirtualClock()
-        target = SimTarget(profile, clock, calibration, np.random.default_rng(seeds[2 * u]))
+        target = SimTarget(
+            profile,
+            clock,
+            calibration,
+            np.random.default_rng(seeds[2 * u]),
+            settings.engine.kv_block_size,
+            settings.engine.prefix_caching,
+        )
         drafter = None
         if spec.speculative:
             drafter = SimDrafter(
@@ -241,7 +248,7 @@ def _submit(units: list[Unit], req: SimRequest, spec: PolicySpec) -> RequestReco
     )
     greq = GenerationRequest(
         id=req.id,
-        prompt_token_ids=(1,) * req.prompt_tokens,
+        prompt_token_ids=req.prompt_ids(unit.target.vocab_size),
         sampling=SamplingParams(max_tokens=req.output_tokens, ignore_eos=True),
         tpot_slo_ms=req.tpot_slo_ms,
         slo_class=req.slo_class,

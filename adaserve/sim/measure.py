@@ -288,7 +288,7 @@ def measure_profile(
     cache = getattr(target, "cache", None)
     capacity = None
     if cache is not None:
-        capacity = int(cache.allocator.num_blocks * cache.block_size)
+        capacity = int(cache.num_blocks * cache.block_size)
     return HardwareProfile(
         name=name,
         description=description,

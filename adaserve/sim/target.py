@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaserve.model.block_manager import BlockManager
 from adaserve.sim.acceptance import Calibration
 from adaserve.sim.clock import VirtualClock
 from adaserve.sim.costmodel import HardwareProfile
@@ -65,6 +66,8 @@ class SimTarget:
         clock: VirtualClock,
         calibration: Calibration,
         rng: np.random.Generator,
+        block_size: int = 16,
+        prefix_caching: bool = True,
     ) -> None:
         self.profile = profile
         self.clock = clock
@@ -72,25 +75,35 @@ class SimTarget:
         self.rng = rng
         self.vocab_size = profile.vocab_size
         self.max_model_len = profile.max_model_len
-        self._ctx: dict[str, int] = {}  # committed tokens per sequence
+        # The real block accounting (on-demand blocks, prefix cache, LRU eviction) over
+        # the profile's KV capacity; only the tensors are left out.
+        self.block_size = block_size
+        self.num_blocks = max(1, profile.kv_capacity_tokens // block_size)
+        self.blocks = BlockManager(self.num_blocks, block_size, prefix_caching)
         self.steps: dict[str, int] = {}  # verification steps per sequence (kept after free)
-        self._ctx_total = 0
         self.stats = TargetStats()
 
     # ---- TargetModel ------------------------------------------------------------------
 
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        return self.blocks.add(seq_id, tokens)
+
     def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
         tree_tokens = sum(len(it.tree) for it in trees)
         prefill_tokens = sum(len(c.tokens) for c in chunks)
-        context = sum(self._ctx.get(it.seq_id, 0) for it in trees)
+        growth: dict[str, int] = {it.seq_id: len(it.tree) for it in trees}
+        for c in chunks:
+            growth[c.seq_id] = growth.get(c.seq_id, 0) + len(c.tokens)
+        # KVCacheFull here, as the real cache raises it, before anything changes.
+        self.blocks.reserve({sid: self.blocks.committed(sid) + n for sid, n in growth.items()})
+        context = sum(self.blocks.committed(it.seq_id) for it in trees)
         start = self.clock.now
         ms = self.profile.forward_ms(tree_tokens, prefill_tokens, context, start)
         self.clock.advance_ms(ms)
         verified = self._verify(trees) if trees else []
         first: list[int | None] = []
         for c in chunks:
-            self._ctx[c.seq_id] = self._ctx.get(c.seq_id, 0) + len(c.tokens)
-            self._ctx_total += len(c.tokens)
+            self.blocks.commit(c.seq_id, c.tokens.tolist())
             first.append(int(self.rng.integers(1, self.vocab_size)) if c.last else None)
         st = self.stats
         st.prefill_tokens += prefill_tokens
@@ -122,9 +135,10 @@ class SimTarget:
             reason = "length" if len(emitted) >= cap else None
             emitted, path = emitted[:cap], path[:cap]
             results.append(VerifyResult(path.astype(np.int32), emitted, reason))
-            self._ctx[it.seq_id] = self._ctx.get(it.seq_id, 0) + len(emitted)
+            # The accepted path's nodes become committed KV (the bonus roots the next tree).
+            self.blocks.commit(it.seq_id, it.tree.tokens[path].tolist())
+            self.blocks.trim(it.seq_id, self.blocks.committed(it.seq_id))
             self.steps[it.seq_id] = self.steps.get(it.seq_id, 0) + 1
-            self._ctx_total += len(emitted)
             st.emitted += len(emitted)
             st.accepted_drafts += len(path) - 1
             if len(it.tree) > 1:
@@ -136,13 +150,21 @@ class SimTarget:
         return results
 
     def free(self, seq_id: str) -> None:
-        self._ctx_total -= self._ctx.pop(seq_id, 0)
+        self.blocks.free(seq_id)
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        return total_tokens <= self.profile.kv_capacity_tokens
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        return self.blocks.blocks_needed(
+            {sid: self.blocks.committed(sid) + n for sid, n in growth.items()}
+        )
 
     def kv_usage(self) -> float:
-        return min(1.0, self._ctx_total / self.profile.kv_capacity_tokens)
+        return self.blocks.usage()
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.blocks.stats.queries, self.blocks.stats.hits
 
     def make_generator(self, seed: int | None) -> None:
         return None
