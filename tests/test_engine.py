@@ -55,12 +55,12 @@ def make_engine(target_dir, drafter_dir=None, **overrides) -> Engine:
         scheduler={"budget": 12, **overrides.pop("scheduler", {})},
         **overrides,
     )
-    runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=512)
+    eng = settings.engine
+    kv = {"kv_blocks": eng.kv_blocks, "prefix_caching": eng.prefix_caching}
+    runner = load_runner(target_dir, device="cpu", dtype="float32", **kv)
     drafter = None
     if drafter_dir is not None:
-        drafter = BeamDrafter(
-            load_runner(drafter_dir, device="cpu", dtype="float32", kv_blocks=512)
-        )
+        drafter = BeamDrafter(load_runner(drafter_dir, device="cpu", dtype="float32", **kv))
     return Engine(
         target=RunnerTarget(runner, eos_token_ids=()),
         drafter=drafter,
