@@ -135,9 +135,9 @@ def test_slo_contract_is_published(stack: Stack) -> None:
     assert unit["model"] == "tiny" and unit["unit"].startswith("127.0.0.1:")
     assert unit["baseline_tpot_ms"] == 20.0 and unit["default_class"] == "chat"
     assert unit["classes"] == {
-        "coding": {"tpot_ms": 24.0},
+        "coding": {"tpot_ms": 24.0, "ttft_ms": 800.0},
         "chat": {"tpot_ms": 50.0},
-        "summarize": {"tpot_ms": 150.0},
+        "summarize": {"tpot_ms": 150.0, "ttft_ms": 20000.0},
     }
     assert unit["speculative"] is True
     # A tiny model's 1-token step is far under the 21 ms (baseline x correction) the
@@ -178,6 +178,32 @@ def test_chat_greedy_equals_target(stack: Stack) -> None:
     assert (msg.role, msg.content) == ("assistant", stack.text(ref))
     assert out.choices[0].finish_reason == _finish(ref)
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref))
+
+
+def test_a_follow_up_turn_is_served_from_the_prefix_cache(stack: Stack) -> None:
+    """A chat's second turn resends the first (system prompt, question, answer): the
+    unit finds that history in its prefix cache and prefills only the new part, and the
+    answer is still the target's own."""
+    from tests._faults import metric
+
+    system = {"role": "system", "content": "You answer questions about colours. " * 8}
+    first = [system, {"role": "user", "content": "Name a colour."}]
+    client = stack.client()
+    out = client.chat.completions.create(model="tiny", messages=first, max_tokens=16, temperature=0)
+    hits = metric(stack.verifier_metrics, "adaserve_prefix_cache_hits_total")
+    second = [
+        *first,
+        {"role": "assistant", "content": out.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    out2 = client.chat.completions.create(
+        model="tiny", messages=second, max_tokens=16, temperature=0
+    )
+    ids = stack.chat_ids(second)
+    assert out2.choices[0].message.content == stack.text(stack.reference(ids, 16))
+    gained = metric(stack.verifier_metrics, "adaserve_prefix_cache_hits_total") - hits
+    # At least the system prompt and the first question, in whole 16-token blocks.
+    assert gained >= 16 * (len(stack.chat_ids(first)) // 16 - 1)
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])

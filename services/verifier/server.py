@@ -124,6 +124,11 @@ class VerifierServicer(vgrpc.VerifierServicer):
             vocab_size=int(getattr(self.engine.target, "vocab_size", 0)),
             eos_token_ids=list(info.eos_token_ids),
             slo_floor_ms=info.slo_floor_ms,
+            slo_class_ttft_ms={
+                name: cls.ttft_ms
+                for name, cls in self.settings.slo.classes.items()
+                if cls.ttft_ms is not None
+            },
         )
 
     async def Stats(
