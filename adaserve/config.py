@@ -13,7 +13,9 @@ from typing import Literal
 
 import yaml
 from pydantic import (
+    AliasChoices,
     BaseModel,
+    ConfigDict,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
@@ -26,10 +28,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 class SLOClass(BaseModel):
     """A named TPOT SLO: an absolute target, or a multiple of the deployment's baseline
-    per-token latency (the AdaServe coding class is 1.2x baseline)."""
+    per-token latency (the AdaServe coding class is 1.2x baseline); optionally a TTFT
+    SLO (time to first token, ms) too."""
 
     tpot_ms: PositiveFloat | None = None
     baseline_scale: PositiveFloat | None = None
+    ttft_ms: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> SLOClass:
@@ -118,14 +122,55 @@ class SchedulerSettings(BaseModel):
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
 
+class LatencyCurve(BaseModel):
+    tokens: list[PositiveFloat] = Field(min_length=1)
+    ms: list[NonNegativeFloat] = Field(min_length=1)
+    # Extra ms per thousand (query, earlier prompt token) pairs: what a prefill chunk
+    # deep into a long prompt pays for attention beyond the curve's own.
+    context_ms: NonNegativeFloat = 0.0
+
+    @model_validator(mode="after")
+    def _check(self) -> LatencyCurve:
+        if len(self.tokens) != len(self.ms):
+            raise ValueError("latency_curve: tokens and ms must have the same length")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:], strict=False)):
+            raise ValueError("latency_curve: tokens must be strictly increasing")
+        return self
+
+
 class EngineSettings(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
     max_running: PositiveInt = 64
     max_queue: PositiveInt = 256
     kv_block_size: PositiveInt = 16
     kv_blocks: PositiveInt | None = None  # None -> sized from kv_memory_gb
     kv_memory_gb: PositiveFloat = 2.0
     max_model_len: PositiveInt | None = None  # None -> the model's context length
-    prefill_chunk: PositiveInt = 512
+    # The most tokens one forward carries, tree nodes and prefill chunks together
+    # (vLLM's max_num_batched_tokens); within it, how many prompt tokens an iteration
+    # prefills is what the decoding requests' TPOT SLOs leave room for
+    # (adaserve/batching.py). `prefill_chunk`, its earlier name, is read too.
+    max_batch_tokens: PositiveInt = Field(
+        default=512, validation_alias=AliasChoices("max_batch_tokens", "prefill_chunk")
+    )
+    # Prompt tokens every iteration prefills while prompts wait, however tight the
+    # running requests' SLOs: prefill slows down under them but never stops.
+    min_prefill_tokens: PositiveInt = 8
+    # Prefill chunks may lengthen an iteration to at most this multiple of its decode
+    # work (and never past the running requests' TPOT SLOs): the most a prompt that
+    # arrives slows the streams already running. Higher: faster TTFT, more jitter.
+    prefill_stretch: float = Field(default=1.5, ge=1.0, allow_inf_nan=False)
+    # Automatic prefix caching (target and drafter): full KV blocks are shared by
+    # requests whose tokens start alike, and kept, least recently used evicted first.
+    prefix_caching: bool = True
+    # Fraction of KV blocks kept free at admission (vLLM's watermark): room for the
+    # running requests to grow before preemption has to make it.
+    kv_watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
+    # Forward latency (ms) against tokens per forward, e.g. from `adaserve profile`;
+    # None: measured at startup where slo.baseline_tpot_ms is auto, else a knee-shaped
+    # prior from the baseline and scheduler.budget. A learned drift factor scales it.
+    latency_curve: LatencyCurve | None = None
     speculation_timeout_ms: PositiveFloat = 500.0
     scheduler_timeout_ms: PositiveFloat = 200.0
     speculation: bool = True

@@ -47,4 +47,23 @@ _ARTICLES = [
 SUMMARIZE = [f"Summarize in two sentences:\n\n{a}" for a in _ARTICLES]
 
 BY_CLASS = {"coding": CODING, "chat": CHAT, "summarize": SUMMARIZE}
+
+
+def long_document(seed: int, target_words: int) -> str:
+    """A summarization prompt of about `target_words` words (~1.3 tokens each for the
+    embedded tokenizer): numbered news reports, the articles above in a seeded order,
+    repeated until long enough. What a summarizer sends when it sends a whole document."""
+    import random
+
+    rng = random.Random(seed)
+    parts, words, k = [], 0, 0
+    while words < target_words:
+        article = _ARTICLES[rng.randrange(len(_ARTICLES))]
+        k += 1
+        parts.append(f"Report {k}: {article}")
+        words += len(article.split()) + 2
+    body = "\n\n".join(parts)
+    return f"Summarize these news reports in three sentences:\n\n{body}"
+
+
 MAX_TOKENS = {"coding": 96, "chat": 64, "summarize": 48}

@@ -1,26 +1,30 @@
-"""The serving engine: request pool, admission, and the speculative iteration loop.
+"""The serving engine: request pool, admission, and the iteration loop.
 
 One thread owns all request state; other threads talk to it through `submit`/`abort`
-(queues) and read results from `RequestStream`s. Each iteration reads like the paper:
+(queues) and read results from `RequestStream`s. Each iteration is one target forward
+and reads like the papers:
 
-    plan (d, w) -> speculate -> select -> verify -> apply (stream, retire)
+    intake -> form the batch (trees + prefill chunks) -> speculate -> select
+           -> one forward -> apply (stream, retire)
 
-The drafter and the scheduler are interfaces with in-process and gRPC implementations;
-the target is an interface so the simulator can substitute a modelled one. Failure of
-the drafter degrades to plain decoding (root-only trees), failure of the scheduler to
-in-process selection: neither ever fails a request.
+Batch formation (adaserve/batching.py) splits the iteration's tokens in SLO order:
+the tree tokens that keep decoding requests on their TPOT SLO, prefill chunks by TTFT
+deadline, then throughput. The drafter, the scheduler and the target are interfaces:
+in-process or gRPC, real or modelled (the simulator runs this same code). The drafter
+and the scheduler are wrapped once at start-up (adaserve/fallback.py), so a failing
+drafter degrades to plain decoding and a failing scheduler to in-process selection
+without a branch in the step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -29,19 +33,29 @@ import numpy as np
 
 from adaserve import metrics
 from adaserve.adaptive import AcceptanceEstimate, SLOFloor, plan_depth_width, slack_plan, slo_floor
-from adaserve.checks import check_selection, check_trees
+from adaserve.batching import BatchLimits, BatchPlan, Decoding, Prefilling, form_batch
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
+from adaserve.fallback import FallbackDrafter, FallbackScheduler
+from adaserve.latency import Curve, ForwardLatency
 from adaserve.request import GenerationRequest, TokenDelta
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import RequestProgress, Selection, SelectionParams
 from adaserve.slo import SLOVerdict, judge, required_accepted
-from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
-from adaserve.target import TargetModel, VerifyItem
+from adaserve.speculate import Drafter, DraftUpdate
+from adaserve.stream import RequestStream
+from adaserve.target import PrefillChunk, TargetModel, VerifyItem
 from adaserve.tree import CandidateTree
 
+__all__ = ["Engine", "EngineFull", "EngineInfo", "EngineStats", "RequestStream", "SLOUnattainable"]
+
 log = logging.getLogger("adaserve.engine")
+
+# A request without a TTFT SLO is prefilled as if its deadline were this far after its
+# arrival: finite, so earliest-deadline order serves it eventually, and late enough that
+# requests with a TTFT SLO go first.
+UNSET_TTFT_ORDER_MS = 10_000.0
 
 
 class EngineFull(RuntimeError):
@@ -65,52 +79,14 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class EngineStats:
-    running: int
+    running: int  # admitted: decoding or being prefilled
     waiting: int
     tracked: int  # requests holding any engine state (running + waiting + finishing)
     kv_usage: float
     iterations: int
     drafter_healthy: bool
     scheduler_healthy: bool
-
-
-class RequestStream:
-    """Deltas of one request, produced by the engine thread, consumed by one reader
-    (blocking `get` or `async for ... in stream.aiter()`). `verdict` is admission's
-    judgement of the request's SLO, known from submit on."""
-
-    def __init__(self, request_id: str, verdict: SLOVerdict) -> None:
-        self.request_id = request_id
-        self.verdict = verdict
-        self._q: queue.SimpleQueue[TokenDelta] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Event | None = None
-
-    def put(self, delta: TokenDelta) -> None:
-        self._q.put(delta)
-        if self._loop is not None and self._wakeup is not None:
-            self._loop.call_soon_threadsafe(self._wakeup.set)
-
-    def get(self, timeout: float | None = None) -> TokenDelta | None:
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    async def aiter(self) -> AsyncIterator[TokenDelta]:
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
-        while True:
-            self._wakeup.clear()
-            while True:  # drain before waiting: deltas may predate the event
-                try:
-                    delta = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-            await self._wakeup.wait()
+    prefilling: int = 0  # admitted requests whose prompt is not all prefilled yet
 
 
 @dataclass
@@ -123,11 +99,16 @@ class _Request:
     tokens: list[int]  # prompt + generated, all committed
     detok: IncrementalDetokenizer | None
     generator: TokenRng | None
+    ttft_deadline: float  # engine clock; the prefill order (earliest first)
     best_effort: bool = False
     first_token_t: float | None = None
     last_token_t: float | None = None
+    prefilled: int = 0  # tokens whose KV the target holds (prefix-cache hits included)
+    # Tokens to hold before decoding: the prompt; after a preemption every token but the
+    # last, which roots the next tree again (recompute, not swap).
+    prefill_target: int = 0
     drafter_len: int = 0  # tokens the drafter holds as committed
-    reserved_tokens: int = 0
+    preemptions: int = 0
     finished: bool = False
 
     @property
@@ -139,6 +120,10 @@ class _Request:
         return len(self.tokens) - self.num_prompt
 
     @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prefill_target
+
+    @property
     def deadline(self) -> float | None:
         t = self.req.timeout_s
         return None if t is None else self.arrival + t
@@ -146,8 +131,9 @@ class _Request:
 
 @dataclass
 class _TSpecPredictor:
-    """Predicts the next iteration's latency: an EWMA of measured iterations per token
-    count, seeded from the profile and inflated by the correction factor."""
+    """Predicts a decode iteration's latency (drafting included) from its tree tokens:
+    an EWMA of measured iterations per token count, seeded from the profile and
+    inflated by the correction factor."""
 
     initial_ms: float
     correction: float
@@ -178,6 +164,18 @@ _InboxItem = (
 )
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What one iteration runs, decided before the drafter is asked."""
+
+    decoding: list[_Request]
+    drafted: list[_Request]  # the decoding requests to draft for
+    depth: int
+    width: int
+    chunks: list[tuple[_Request, PrefillChunk]]
+    batch: BatchPlan
+
+
 class Engine:
     def __init__(
         self,
@@ -188,6 +186,7 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "adaserve",
+        latency: ForwardLatency | None = None,
     ) -> None:
         if settings.slo.baseline_tpot_ms == "auto":
             raise ValueError(
@@ -195,41 +194,60 @@ class Engine:
             )
         self.baseline_tpot_ms: float = settings.slo.baseline_tpot_ms  # measured: not "auto"
         self.target = target
-        self.drafter = drafter if settings.engine.speculation else None
-        self.scheduler = scheduler
-        self.local_scheduler = LocalScheduler(settings.scheduler)
-        adaptive = settings.scheduler.adaptive
-        self.acceptance = (
-            AcceptanceEstimate(adaptive.acceptance) if adaptive.learn_acceptance else None
-        )
         self.settings = settings
         self.tokenizer = tokenizer
         self.clock = clock
         self.model_name = model_name
-        self.max_model_len = min(
-            target.max_model_len, settings.engine.max_model_len or target.max_model_len
+        self.local_scheduler = LocalScheduler(settings.scheduler)
+        self.scheduler = FallbackScheduler(scheduler, self.local_scheduler)
+        self.drafter: FallbackDrafter | None = None
+        if drafter is not None and settings.engine.speculation:
+            self.drafter = FallbackDrafter(
+                drafter, self._history, target.vocab_size, clock=lambda: self.clock()
+            )
+        adaptive = settings.scheduler.adaptive
+        self.acceptance = (
+            AcceptanceEstimate(adaptive.acceptance) if adaptive.learn_acceptance else None
         )
-        self.tspec = _TSpecPredictor(self.baseline_tpot_ms, settings.scheduler.correction_factor)
+        # The longest sequence the KV cache can hold beside one tree of scratch: a
+        # request is never admitted that could not run alone.
+        adaptive = settings.scheduler.adaptive
+        scratch = 1 + adaptive.d_max * adaptive.w_max if self.drafter is not None else 1
+        self.kv_tokens = target.num_blocks * target.block_size
+        self.max_model_len = min(
+            target.max_model_len,
+            settings.engine.max_model_len or target.max_model_len,
+            self.kv_tokens - scratch,
+        )
+        baseline = self.baseline_tpot_ms
+        self.tspec = _TSpecPredictor(baseline, settings.scheduler.correction_factor)
+        if latency is None:
+            curve = settings.engine.latency_curve
+            latency = ForwardLatency(
+                Curve(tuple(curve.tokens), tuple(curve.ms), curve.context_ms)
+                if curve is not None
+                else Curve.knee(baseline, settings.scheduler.budget)
+            )
+        self.latency = latency
+        self._draft_ms = 0.0  # EWMA of a drafting iteration's speculate phase
+        # EWMA of the drafter's time per prompt token it ingests beside the target's
+        # prefill: part of what a prefill token costs the iteration.
+        self._ingest_ms = 0.0
 
         self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
-        self._reserved = 0
         self._iterations = 0
         self._arrivals = itertools.count()
         # Ids of submitted, not yet retired requests: a second request under a live id
         # would share the first one's KV sequence and fail the whole batch.
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
-        self._drafter_healthy = True
-        self._scheduler_healthy = True
         self._optimal_invalid_logged = False
-        self._drafter_retry_at = 0.0
-        # Retired requests whose draft state is still to be freed: one Release per
-        # iteration, and none while the drafter is down (a hung drafter would otherwise
-        # cost a timeout per finishing request).
-        self._release_backlog: list[str] = []
+        # (TTFT deadline s, prompt tokens left) of every prompt waiting for or in prefill,
+        # republished by the loop thread each step: submit reads it to judge a TTFT SLO.
+        self._prefill_queue: tuple[tuple[float, int], ...] = ()
         self._thread: threading.Thread | None = None
         self._loop_done: Future | None = None
         self._stop = threading.Event()
@@ -240,8 +258,7 @@ class Engine:
         self._validate(req)
         if self._inbox.qsize() + len(self._waiting) >= self.settings.engine.max_queue:
             raise EngineFull("server is at capacity: too many queued requests")
-        floor = self.slo_floor()
-        verdict = judge(req.tpot_slo_ms, floor.tpot_ms, floor.depth)
+        verdict = self._judge(req)
         if verdict.best_effort and self.settings.engine.unattainable_slo == "reject":
             raise SLOUnattainable(verdict.reason)
         with self._live_lock:
@@ -258,14 +275,16 @@ class Engine:
         self._wake.set()
 
     def stats(self) -> EngineStats:
+        running = list(self._running.values())
         return EngineStats(
-            running=len(self._running),
+            running=len(running),
             waiting=len(self._waiting),
-            tracked=len(self._running) + len(self._waiting),
+            tracked=len(running) + len(self._waiting),
             kv_usage=self.target.kv_usage(),
             iterations=self._iterations,
-            drafter_healthy=self._drafter_healthy,
-            scheduler_healthy=self._scheduler_healthy,
+            drafter_healthy=self.drafter is None or self.drafter.healthy,
+            scheduler_healthy=self.scheduler.healthy,
+            prefilling=sum(r.prefilling for r in running),
         )
 
     def info(self) -> EngineInfo:
@@ -290,6 +309,7 @@ class Engine:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.scheduler.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self._loop_done is not None:
@@ -313,59 +333,134 @@ class Engine:
         return bool(self._running or self._waiting or not self._inbox.empty())
 
     def step(self) -> None:
-        """One iteration: intake, admission + prefill, then one speculative decode step."""
+        """One iteration: intake, then one forward carrying the trees of the decoding
+        requests and the prefill chunks that fit beside them."""
         start = self.clock()
         self._drain_inbox()
         self._expire_deadlines()
-        prefill_s = self._admit()
+        self._admit()
+        self._prefill_queue = tuple(
+            (r.ttft_deadline, r.prefill_target - r.prefilled)
+            for r in [*self._waiting, *self._running.values()]
+            if r.prefilling
+        )
         if not self._running:
             self._flush_releases()
             return
         t0 = self.clock()
-        batch = list(self._running.values())
-        drafted, depth, width = self._plan(batch)
-        trees = self._speculate(batch, drafted, depth, width)
+        step = self._form_step()
+        trees = self._speculate(step)
         t1 = self.clock()
-        selected = self._select(batch, trees, depth)
+        selected = self._select(step, trees)
+        step, selected = self._fit_kv(step, selected)
         t2 = self.clock()
-        results = self.target.verify(
-            [
-                VerifyItem(
-                    r.req.id,
-                    tree,
-                    r.req.sampling,
-                    r.generator,
-                    r.req.sampling.max_tokens - r.num_generated,
-                )
-                for r, tree in zip(batch, selected, strict=True)
-            ]
-        )
+        items = [
+            VerifyItem(
+                r.req.id,
+                tree,
+                r.req.sampling,
+                r.generator,
+                r.req.sampling.max_tokens - r.num_generated,
+            )
+            for r, tree in zip(step.decoding, selected, strict=True)
+        ]
+        result = self.target.forward(items, [c for _, c in step.chunks])
         t3 = self.clock()
-        for r, tree, res in zip(batch, selected, results, strict=True):
+        for r, tree, res in zip(step.decoding, selected, result.verified, strict=True):
             self._record_spec(tree, res.accepted_nodes, len(res.emitted_tokens))
             self._apply(r, res.emitted_tokens.tolist(), t3)
-        self._observe_iteration(batch, selected, t0, t1, t2, t3)
+        for (r, chunk), first in zip(step.chunks, result.first_tokens, strict=True):
+            r.prefilled += len(chunk.tokens)
+            if first is not None:
+                self._apply(r, [first], t3)
+        self._observe_iteration(step, selected, t0, t1, t2, t3)
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
         # streaming): host time every running request waits, outside the model phases.
-        host = self.clock() - start - (t3 - t0) - prefill_s
-        metrics.iteration_seconds.labels("host").observe(max(host, 0.0))
+        if step.decoding:
+            host = self.clock() - start - (t3 - t0)
+            metrics.iteration_seconds.labels("host").observe(max(host, 0.0))
 
     # ---- iteration phases ----------------------------------------------------------
 
-    def _plan(self, batch: list[_Request]) -> tuple[list[_Request], int, int]:
+    def _form_step(self) -> _Step:
+        """Which requests draft (and how deep), which prompts get a chunk of how many
+        tokens, and the tree budget selection may spend (adaserve/batching.py)."""
+        running = list(self._running.values())
+        decoding = [r for r in running if not r.prefilling]
+        prefilling = [r for r in running if r.prefilling]
+        drafted, depth, width = self._plan(decoding, len(prefilling))
+        adaptive = self._adaptive()
+        eng = self.settings.engine
+        limits = BatchLimits(
+            tree_budget=self.settings.scheduler.budget,
+            max_batch_tokens=eng.max_batch_tokens,
+            min_prefill_tokens=eng.min_prefill_tokens,
+            stretch=eng.prefill_stretch,
+            depth=depth if drafted else 0,
+            width=width,
+            acceptance=adaptive.acceptance,
+        )
+        now = self.clock()
+        batch = form_batch(
+            [
+                Decoding(r.req.id, r.req.tpot_slo_ms, *self._elapsed_decoded(r, now))
+                for r in decoding
+            ],
+            [
+                Prefilling(
+                    r.req.id,
+                    r.prefill_target - r.prefilled,
+                    r.ttft_deadline * 1000.0,
+                    r.req.priority,
+                    r.arrival * 1000.0,
+                    r.prefilled,
+                )
+                for r in prefilling
+            ],
+            limits,
+            self._iteration_ms,
+            self._draft_ms if drafted else 0.0,
+            now * 1000.0,
+            # What a decode-only iteration of this batch has taken, drafting and
+            # selection included: the work a prefill chunk may stretch.
+            self.tspec.measured_ms(self._decode_tokens(decoding, depth if drafted else 0, width)),
+        )
+        chunks = []
+        for rid, n in batch.chunks:
+            r = self._running[rid]
+            toks = np.asarray(r.tokens[r.prefilled : r.prefilled + n], dtype=np.int32)
+            # The chunk that completes a prompt samples the first token; one that
+            # completes a preempted request's recompute does not (its root is known).
+            last = r.prefilled + n == r.prefill_target and r.num_generated == 0
+            chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator)
+            chunks.append((r, chunk))
+        return _Step(decoding, drafted, depth, width, chunks, batch)
+
+    def _decode_tokens(self, decoding: list[_Request], depth: int, width: int) -> int:
+        """Tree tokens a decode-only iteration of this batch verifies at most."""
+        n = len(decoding)
+        return min(max(self.settings.scheduler.budget, n), n * (1 + depth * width))
+
+    def _iteration_ms(self, tree_tokens: int, prefill_tokens: int, context: float = 0.0) -> float:
+        """Predicted forward latency, plus the drafter's ingestion of the chunks."""
+        return self.latency.predict_ms(tree_tokens, prefill_tokens, context) + (
+            prefill_tokens * self._ingest_ms
+        )
+
+    def _plan(self, batch: list[_Request], prefilling: int) -> tuple[list[_Request], int, int]:
         """(requests to draft for, depth, width). d and w are a pure function of n and
         the settings this process already holds: planning locally saves one of the three
         round trips of a gRPC iteration (the scheduler service keeps `Plan` for others)."""
-        if self.drafter is None:
+        if self.drafter is None or not batch:
             return [], 0, 1
         budget, adaptive = self.settings.scheduler.budget, self._adaptive()
-        # Plan for the batch the next iteration runs: requests that arrived during this
-        # step join it then. Otherwise the first request of a burst drafts deep alone
-        # (and the drafter prefills its prompt) while the rest wait to be admitted. An
-        # abort queued there counts too: an overestimate for one iteration at most.
+        # Plan for the batch the next iterations run: requests being prefilled and
+        # those that arrived during this step join it soon. Otherwise the first request
+        # of a burst drafts deep alone while the rest are prefilled. An abort queued
+        # there counts too: an overestimate for one iteration at most.
         arriving = self._inbox.qsize()
-        n = min(len(batch) + arriving, self.settings.engine.max_running)
+        n = min(len(batch) + prefilling + arriving, self.settings.engine.max_running)
         depth, width = plan_depth_width(n, budget, adaptive)
         if depth > 0:
             return batch, depth, width
@@ -406,90 +501,62 @@ class Engine:
         )
         return a > 1.0
 
+    def _elapsed_decoded(self, r: _Request, now: float) -> tuple[float, int]:
+        """(l_r ms since the first token, o_r tokens decoded since it)."""
+        elapsed = (now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0
+        return elapsed, max(r.num_generated - 1, 0)
+
     def _progress(self, batch: list[_Request]) -> list[RequestProgress]:
         now = self.clock()
         return [
-            RequestProgress(
-                id=r.req.id,
-                tpot_slo_ms=r.req.tpot_slo_ms,
-                elapsed_ms=(now - r.first_token_t) * 1000.0 if r.first_token_t else 0.0,
-                decoded=max(r.num_generated - 1, 0),
-            )
+            RequestProgress(r.req.id, r.req.tpot_slo_ms, *self._elapsed_decoded(r, now))
             for r in batch
         ]
 
-    def _speculate(
-        self, batch: list[_Request], drafted: list[_Request], depth: int, width: int
-    ) -> list[CandidateTree]:
-        """Trees for `batch`: beam-searched for the requests in `drafted`, root-only for
-        the rest (the drafter catches up on their tokens the next time it sees them)."""
-        roots = [CandidateTree.root_only(r.tokens[-1]) for r in batch]
-        drafter = self.drafter
-        if drafter is None or not drafted or depth == 0:
+    def _speculate(self, step: _Step) -> list[CandidateTree]:
+        """Trees for the decoding requests: beam-searched for the drafted ones,
+        root-only for the rest (the drafter catches up on their tokens the next time it
+        sees them). The same call hands the drafter this iteration's prefill chunks."""
+        roots = [CandidateTree.root_only(r.tokens[-1]) for r in step.decoding]
+        if self.drafter is None:
             return roots
-        now = self.clock()
-        if not self._drafter_healthy and now < self._drafter_retry_at:
-            metrics.fallbacks_total.labels("drafter").inc()
-            return roots
+        drafting = step.drafted if step.depth > 0 else []
         updates = [
             DraftUpdate(r.req.id, np.asarray(r.tokens[r.drafter_len :], np.int32), len(r.tokens))
-            for r in drafted
+            for r in drafting
         ]
-        stop = self.settings.scheduler.adaptive.draft_stop_prob or 0.0
-        try:
-            try:
-                trees = drafter.speculate(updates, depth, width, stop)
-            except DrafterStateLost as lost:
-                # Re-sync those requests from their full history; the rest are unchanged.
-                metrics.drafter_resyncs_total.inc(len(lost.ids))
-                ids = set(lost.ids)
-                updates = [
-                    DraftUpdate(u.id, np.asarray(r.tokens, np.int32), len(r.tokens))
-                    if u.id in ids
-                    else u
-                    for u, r in zip(updates, drafted, strict=True)
-                ]
-                trees = drafter.speculate(updates, depth, width, stop)
-            # As with selections: another process's trees are checked, our own beam
-            # search's are not re-validated on the hot path (select() validates the
-            # structure of whatever it is given anyway).
-            if not isinstance(self.drafter, BeamDrafter):
-                check_trees(trees, [r.tokens[-1] for r in drafted], self.target.vocab_size)
-        except Exception as exc:
-            self._drafter_failed(exc)
+        for r, c in step.chunks:
+            end = c.start + len(c.tokens)
+            new = np.asarray(r.tokens[r.drafter_len : end], np.int32)
+            updates.append(DraftUpdate(r.req.id, new, end, ingest=True))
+        if not updates:
             return roots
-        for r in drafted:
-            r.drafter_len = len(r.tokens)
-        if not self._drafter_healthy:
-            log.info("drafter recovered; speculation resumes")
-            self._drafter_healthy = True
-        if len(drafted) == len(batch):
-            return trees
-        by_id = {r.req.id: t for r, t in zip(drafted, trees, strict=True)}
-        return [by_id.get(r.req.id, root) for r, root in zip(batch, roots, strict=True)]
+        stop = self.settings.scheduler.adaptive.draft_stop_prob or 0.0
+        trees = self.drafter.speculate(updates, step.depth, step.width, stop)
+        if not self.drafter.ok:
+            return roots
+        for u in updates:
+            self._running[u.id].drafter_len = u.total_len
+        if len(drafting) == len(step.decoding):
+            return trees[: len(drafting)]
+        by_id = {r.req.id: t for r, t in zip(drafting, trees, strict=False)}
+        return [by_id.get(r.req.id, root) for r, root in zip(step.decoding, roots, strict=True)]
 
-    def _select(
-        self, batch: list[_Request], trees: list[CandidateTree], depth: int
-    ) -> list[CandidateTree]:
+    def _select(self, step: _Step, trees: list[CandidateTree]) -> list[CandidateTree]:
         if all(len(t) == 1 for t in trees):
             return trees
-        progress = self._progress(batch)
-        sched = self.settings.scheduler
-        t_spec_ms = self.tspec.measured_ms(max(sched.budget, len(batch)))
-        params = selection_params(sched, depth, t_spec_ms, len(batch))
-        selection = None
-        if self._scheduler_healthy:
-            try:
-                selection = self.scheduler.select(progress, trees, params)
-                # Answers from another process are checked; our own selection is not
-                # re-validated on the hot path (it is tested against a reference).
-                if not isinstance(self.scheduler, LocalScheduler) and not selection.invalid:
-                    check_selection(selection.selected, trees)
-            except Exception as exc:
-                selection = None
-                self._scheduler_failed(exc)
-        if selection is None:
-            selection = self.local_scheduler.select(progress, trees, params)
+        n = len(trees)
+        budget = max(step.batch.tree_budget, n)  # every root must fit
+        # The iteration's predicted latency: a decode step of the budget, plus what the
+        # prefill chunks riding along add to the forward.
+        prefill = step.batch.prefill_tokens
+        extra = 0.0
+        if prefill:
+            extra = self._iteration_ms(budget, prefill) - self._iteration_ms(budget, 0)
+        t_spec_ms = self.tspec.measured_ms(budget) + extra
+        params = selection_params(self.settings.scheduler, step.depth, t_spec_ms, n, budget)
+        progress = self._progress(step.decoding)
+        selection = self.scheduler.select(progress, trees, params)
         if selection.invalid:
             selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
@@ -508,6 +575,58 @@ class Engine:
                 "invalid_total counts them)"
             )
         return self.local_scheduler.select(progress, trees, replace(params, policy="adaserve"))
+
+    def _fit_kv(
+        self, step: _Step, selected: list[CandidateTree]
+    ) -> tuple[_Step, list[CandidateTree]]:
+        """Preempt until the forward's new KV fits in the free blocks: the trees'
+        scratch and the chunks' tokens. The victim is always the running request with
+        the lowest priority, then the most slack against its SLO, whoever needs the
+        blocks: a relaxed request gives way to a tight one, never the reverse."""
+        while True:
+            growth = {r.req.id: len(t) for r, t in zip(step.decoding, selected, strict=True)}
+            for r, c in step.chunks:
+                growth[r.req.id] = growth.get(r.req.id, 0) + len(c.tokens)
+            if self.target.blocks_needed(growth) <= self.target.free_blocks():
+                return step, selected
+            victim = self._victim()
+            self._preempt(victim)
+            keep = [i for i, r in enumerate(step.decoding) if r is not victim]
+            selected = [selected[i] for i in keep]
+            step = replace(
+                step,
+                decoding=[step.decoding[i] for i in keep],
+                drafted=[r for r in step.drafted if r is not victim],
+                chunks=[(r, c) for r, c in step.chunks if r is not victim],
+            )
+
+    def _victim(self) -> _Request:
+        now = self.clock()
+
+        def slack_ms(r: _Request) -> float:
+            if r.num_generated == 0:  # not started: how long its first token may wait
+                return (r.ttft_deadline - now) * 1000.0
+            elapsed, decoded = self._elapsed_decoded(r, now)
+            return r.req.tpot_slo_ms * (decoded + 1) - elapsed
+
+        return max(self._running.values(), key=lambda r: (r.req.priority, slack_ms(r)))
+
+    def _preempt(self, r: _Request) -> None:
+        """Preemption by recompute: free the request's KV (its full blocks stay in the
+        prefix cache, so coming back is cheap while they are not evicted) and queue it
+        again; it keeps its tokens and its stream, and later recomputes the KV of all but
+        its last token in chunks, that token rooting its next tree as before."""
+        self.target.free(r.req.id)
+        if self.drafter is not None and r.drafter_len:
+            self.drafter.release([r.req.id])
+        r.drafter_len = 0
+        r.prefilled = 0
+        r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
+        r.preemptions += 1
+        del self._running[r.req.id]
+        self._waiting.append(r)
+        metrics.preemptions_total.inc()
+        log.debug("preempted %s (%d tokens) for KV", r.req.id, len(r.tokens))
 
     def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
@@ -528,7 +647,8 @@ class Engine:
                 finish = "length"
                 break
         r.tokens.extend(kept)
-        if r.first_token_t is None and kept:
+        first = r.first_token_t is None and bool(kept)
+        if first:
             r.first_token_t = now
         if kept:
             r.last_token_t = now
@@ -544,11 +664,6 @@ class Engine:
             finish = "length"
             if r.detok is not None:
                 text += r.detok.flush()
-        ttft = (
-            (r.first_token_t - r.arrival) * 1000.0
-            if r.first_token_t is not None and r.num_generated == len(kept) and kept
-            else None
-        )
         r.stream.put(
             TokenDelta(
                 token_ids=tuple(kept),
@@ -556,7 +671,7 @@ class Engine:
                 finish_reason=finish,
                 num_prompt_tokens=r.num_prompt,
                 num_generated=r.num_generated,
-                ttft_ms=ttft,
+                ttft_ms=(now - r.arrival) * 1000.0 if first else None,
                 best_effort=r.best_effort,
             )
         )
@@ -573,6 +688,11 @@ class Engine:
             raise ValueError("max_tokens must be at least 1")
         if not (req.tpot_slo_ms > 0 and math.isfinite(req.tpot_slo_ms)):
             raise ValueError("tpot_slo_ms must be a positive number")
+        if len(req.prompt_token_ids) >= self.kv_tokens:
+            raise ValueError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) is longer than the KV cache "
+                f"holds ({self.kv_tokens} tokens; engine.kv_memory_gb / kv_blocks size it)"
+            )
         if len(req.prompt_token_ids) + sp.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({sp.max_tokens}) "
@@ -602,56 +722,44 @@ class Engine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, stop=tuple(req.sampling.stop))
-        return _Request(
+        ttft = req.ttft_slo_ms if req.ttft_slo_ms is not None else UNSET_TTFT_ORDER_MS
+        r = _Request(
             req=req,
             stream=stream,
             arrival=arrival,
             tokens=list(req.prompt_token_ids),
             detok=detok,
             generator=self.target.make_generator(req.sampling.seed),
+            ttft_deadline=arrival + ttft / 1000.0,
+            prefill_target=len(req.prompt_token_ids),
         )
+        r.best_effort = self._judge_best_effort(r)
+        return r
 
-    def _admit(self) -> float:
-        """Admit what fits and prefill it; returns the prefill's seconds."""
+    def _admit(self) -> None:
+        """Admit in (priority, arrival) order while a running slot and free KV blocks
+        above the watermark remain. Nothing is reserved ahead: a request holds blocks
+        for what it has committed plus its current scratch, taken as it grows (and
+        freed by preemption when they run out), so no request's size blocks another's
+        admission. The prompt's longest cached prefix is taken from the prefix cache
+        here; admitted requests are prefilled in chunks by the next iterations."""
         if not self._waiting:
-            return 0.0
-        # vLLM-style priority: lower value first, then arrival order.
+            return
+        # vLLM-style priority: lower value first, then arrival order (a preempted request
+        # keeps its arrival, so it goes back in front of later ones).
         self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
-        max_tree = self._max_tree_nodes()
-        admitted: list[_Request] = []
-        while (
-            self._waiting and len(self._running) + len(admitted) < self.settings.engine.max_running
-        ):
-            r = self._waiting[0]
-            # Reserve the request's whole KV up front (prompt + output + one tree of
-            # scratch): a running request can then never hit an exhausted cache.
-            need = r.num_prompt + r.req.sampling.max_tokens + max_tree
-            if not self.target.can_reserve(self._reserved + need):
-                if not self._running and not admitted:
-                    self._waiting.pop(0)
-                    self._finish(r, "error", error="request does not fit in the KV cache")
-                    continue
+        watermark = math.ceil(self.settings.engine.kv_watermark * self.target.num_blocks)
+        while self._waiting and len(self._running) < self.settings.engine.max_running:
+            if self.target.free_blocks() <= watermark:
                 break
-            self._waiting.pop(0)
-            r.reserved_tokens = need
-            self._reserved += need
-            admitted.append(r)
-        if not admitted:
-            return 0.0
-        t0 = self.clock()
-        first = self.target.prefill(
-            [(r.req.id, r.tokens, r.req.sampling, r.generator) for r in admitted]
-        )
-        now = self.clock()
-        # Prefill blocks decoding: its time is part of what every running request waits.
-        metrics.iteration_seconds.labels("prefill").observe(now - t0)
-        for r, tok in zip(admitted, first, strict=True):
+            r = self._waiting.pop(0)
+            tokens = r.tokens[: r.prefill_target]
+            r.prefilled = self.target.add_sequence(r.req.id, tokens)
+            metrics.prefix_cache_queries.inc(len(tokens))
+            metrics.prefix_cache_hits.inc(r.prefilled)
             self._running[r.req.id] = r
-            r.best_effort = self._judge_best_effort(r)
-            self._apply(r, [tok], now)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
-        return now - t0
 
     def slo_floor(self) -> SLOFloor:
         """The best TPOT one request alone can expect now (adaptive.slo_floor), from the
@@ -663,6 +771,29 @@ class Engine:
             depth_max = a.fixed_depth if a.policy == "fixed" else a.d_max
         return slo_floor(self.tspec.predict_ms(1), self.settings.scheduler.budget, a, depth_max)
 
+    def _judge(self, req: GenerationRequest) -> SLOVerdict:
+        """Admission's judgement, at submit (before any token): a TPOT SLO below the
+        floor, or a TTFT SLO shorter than prefilling this prompt and those due before it
+        takes at the best prefill rate this deployment reaches, is served best-effort."""
+        floor = self.slo_floor()
+        verdict = judge(req.tpot_slo_ms, floor.tpot_ms, floor.depth)
+        ttft = req.ttft_slo_ms
+        if verdict.best_effort or ttft is None:
+            return verdict
+        deadline = self.clock() + ttft / 1000.0
+        ahead = sum(left for due, left in self._prefill_queue if due <= deadline)
+        n = self.settings.engine.max_batch_tokens
+        need_ms = (ahead + len(req.prompt_token_ids)) * self.latency.predict_ms(0, n) / n
+        if need_ms <= ttft:
+            return verdict
+        return SLOVerdict(
+            True,
+            floor.tpot_ms,
+            f"ttft_slo_ms {ttft:g} is below the ~{need_ms:.0f} ms this server needs to "
+            f"prefill this prompt ({len(req.prompt_token_ids)} tokens) and the {ahead} "
+            "prompt tokens due before it",
+        )
+
     def _judge_best_effort(self, r: _Request) -> bool:
         """An unattainable SLO (judged at submit; policy `best_effort`, as `reject`
         refused it there) is served best-effort and flagged, not refused."""
@@ -670,12 +801,6 @@ class Engine:
             metrics.best_effort_total.labels(r.req.slo_class or "custom").inc()
             return True
         return False
-
-    def _max_tree_nodes(self) -> int:
-        if self.drafter is None:
-            return 1
-        a = self.settings.scheduler.adaptive
-        return 1 + a.d_max * a.w_max
 
     # ---- retirement ----------------------------------------------------------------
 
@@ -718,49 +843,19 @@ class Engine:
             self._waiting.remove(r)
         if self._running.pop(r.req.id, None) is not None:
             self.target.free(r.req.id)
-            self._reserved -= r.reserved_tokens
             if self.drafter is not None and r.drafter_len:
-                self._release_backlog.append(r.req.id)
+                self.drafter.release([r.req.id])
         self._record_finish(r, reason)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
 
     def _flush_releases(self) -> None:
-        if not self._release_backlog or self.drafter is None:
-            return
-        if not self._drafter_healthy and self.clock() < self._drafter_retry_at:
-            return
-        ids, self._release_backlog = self._release_backlog, []
-        try:
-            self.drafter.release(ids)
-        except Exception as exc:  # a restarted drafter holds none of it; never fail on this
-            self._drafter_failed(exc)
+        if self.drafter is not None:
+            self.drafter.flush()
 
-    # ---- failure handling (logged once per episode, counted every iteration) -------
-
-    def _drafter_failed(self, exc: Exception) -> None:
-        metrics.fallbacks_total.labels("drafter").inc()
-        if self._drafter_healthy:
-            log.warning("drafter unavailable (%s); plain decoding until it returns", exc)
-        self._drafter_healthy = False
-        self._drafter_retry_at = self.clock() + 1.0  # don't pay a timeout every iteration
-
-    def _scheduler_failed(self, exc: Exception) -> None:
-        metrics.fallbacks_total.labels("scheduler").inc()
-        if self._scheduler_healthy:
-            log.warning("scheduler unavailable (%s); selecting in-process", exc)
-            self._scheduler_healthy = False
-            threading.Timer(1.0, self._probe_scheduler).start()
-
-    def _probe_scheduler(self) -> None:
-        try:
-            self.scheduler.plan(1)
-        except Exception:
-            if not self._stop.is_set():
-                threading.Timer(1.0, self._probe_scheduler).start()
-            return
-        log.info("scheduler recovered")
-        self._scheduler_healthy = True
+    def _history(self, request_id: str) -> list[int]:
+        """A running request's committed tokens (the drafter re-sync reads them)."""
+        return self._running[request_id].tokens
 
     # ---- observability -------------------------------------------------------------
 
@@ -782,10 +877,27 @@ class Engine:
             self.acceptance.observe(accepted, rejected)
             metrics.spec_acceptance_estimate.set(self.acceptance.alpha)
 
-    def _observe_iteration(self, batch, selected, t0, t1, t2, t3) -> None:
+    def _observe_iteration(
+        self, step: _Step, selected: list[CandidateTree], t0: float, t1: float, t2: float, t3: float
+    ) -> None:
         tokens = sum(len(t) for t in selected)
+        prefill = step.batch.prefill_tokens
+        self.latency.observe(tokens, prefill, step.batch.prefill_context, (t3 - t2) * 1000.0)
+        speculate_ms = (t1 - t0) * 1000.0
+        drafting = step.depth > 0 and bool(step.drafted)
+        if prefill and self.drafter is not None and self.drafter.ok:
+            ingest = max(speculate_ms - (self._draft_ms if drafting else 0.0), 0.0) / prefill
+            self._ingest_ms += 0.3 * (ingest - self._ingest_ms)
+        elif drafting:
+            self._draft_ms += 0.3 * (speculate_ms - self._draft_ms)
+        if prefill:
+            metrics.prefill_tokens_total.inc(prefill)
+        if not step.decoding:  # a forward of prompt chunks alone
+            metrics.iteration_seconds.labels("prefill").observe(t3 - t2)
+            return
         self._iterations += 1
-        self.tspec.observe(tokens, (t3 - t0) * 1000.0)
+        if not prefill:  # t_spec predicts decode iterations
+            self.tspec.observe(tokens, (t3 - t0) * 1000.0)
         metrics.iterations_total.inc()
         metrics.iteration_seconds.labels("speculate").observe(t1 - t0)
         metrics.iteration_seconds.labels("select").observe(t2 - t1)
@@ -794,7 +906,7 @@ class Engine:
         metrics.budget_used.observe(tokens)
         if self.acceptance is not None:
             self.acceptance.tick()
-        metrics.batch_size.observe(len(batch))
+        metrics.batch_size.observe(len(step.decoding))
         metrics.kv_usage.set(self.target.kv_usage())
 
     def _record_finish(self, r: _Request, reason: str) -> None:
@@ -802,13 +914,22 @@ class Engine:
         metrics.requests_total.labels(reason, cls).inc()
         if r.first_token_t is None:
             return
-        metrics.ttft_seconds.labels(cls).observe(r.first_token_t - r.arrival)
+        ttft_ms = (r.first_token_t - r.arrival) * 1000.0
+        metrics.ttft_seconds.labels(cls).observe(ttft_ms / 1000.0)
+        if reason not in ("stop", "length"):
+            return
+        ttft_met = r.req.ttft_slo_ms is None or ttft_ms <= r.req.ttft_slo_ms
+        metrics.ttft_slo_total.labels(cls, "attained" if ttft_met else "missed").inc()
         n = r.num_generated
-        if n >= 2 and r.last_token_t is not None and reason in ("stop", "length"):
-            tpot_ms = (r.last_token_t - r.first_token_t) * 1000.0 / (n - 1)
-            metrics.tpot_seconds.labels(cls).observe(tpot_ms / 1000.0)
-            if tpot_ms <= r.req.tpot_slo_ms:
-                metrics.slo_attained_total.labels(cls).inc()
-                metrics.goodput_tokens_total.labels(cls).inc(n)
-            else:
-                metrics.slo_missed_total.labels(cls).inc()
+        if n < 2 or r.last_token_t is None:
+            return
+        tpot_ms = (r.last_token_t - r.first_token_t) * 1000.0 / (n - 1)
+        metrics.tpot_seconds.labels(cls).observe(tpot_ms / 1000.0)
+        tpot_met = tpot_ms <= r.req.tpot_slo_ms
+        metrics.tpot_slo_total.labels(cls, "attained" if tpot_met else "missed").inc()
+        # The SLO is met when both are: a fast stream after a late first token is not.
+        if ttft_met and tpot_met:
+            metrics.slo_attained_total.labels(cls).inc()
+            metrics.goodput_tokens_total.labels(cls).inc(n)
+        else:
+            metrics.slo_missed_total.labels(cls).inc()

@@ -47,16 +47,28 @@ def build_engine(
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
         cpu_kernel=ms.cpu_kernel,
+        prefix_caching=settings.engine.prefix_caching,
     )
     tokenizer = load_tokenizer(target_dir)
     if settings.slo.baseline_tpot_ms == "auto":
-        from adaserve.sim.measure import measure_baseline_ms
+        from adaserve.config import LatencyCurve
+        from adaserve.sim.measure import measure_baseline_ms, measure_forward_curve
 
         baseline = round(measure_baseline_ms(runner), 2)
         log.info("baseline TPOT (plain decoding, batch 8) measured: %.2f ms", baseline)
         slo = settings.slo.model_copy(update={"baseline_tpot_ms": baseline})
         settings = settings.model_copy(update={"slo": slo})
-    target = RunnerTarget(runner, eos_token_ids(tokenizer, runner), settings.engine.prefill_chunk)
+        if settings.engine.latency_curve is None:
+            tokens, ms, context_ms = measure_forward_curve(runner)
+            log.info(
+                "forward latency measured: %s; +%.3f ms per 1k pairs of prompt context",
+                ", ".join(f"{t:g} tokens {m:.1f} ms" for t, m in zip(tokens, ms, strict=True)),
+                context_ms,
+            )
+            curve = LatencyCurve(tokens=tokens, ms=ms, context_ms=context_ms)
+            engine = settings.engine.model_copy(update={"latency_curve": curve})
+            settings = settings.model_copy(update={"engine": engine})
+    target = RunnerTarget(runner, eos_token_ids(tokenizer, runner))
     speculate = settings.engine.speculation
     return Engine(
         target=target,
@@ -94,6 +106,7 @@ def build_drafter(
         max_model_len=settings.engine.max_model_len,
         quantization=ms.drafter_quantization,
         cpu_kernel=ms.cpu_kernel,
+        prefix_caching=settings.engine.prefix_caching,
     )
     return BeamDrafter(runner)
 

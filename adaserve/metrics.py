@@ -35,8 +35,24 @@ requests_total = Counter(
 num_running = Gauge("adaserve_num_requests_running", "Requests in the decode batch")
 num_waiting = Gauge("adaserve_num_requests_waiting", "Requests waiting for admission")
 kv_usage = Gauge("adaserve_kv_cache_usage_perc", "Fraction of target KV blocks in use")
+drafter_kv_usage = Gauge(
+    "adaserve_drafter_kv_cache_usage_perc", "Fraction of the in-process drafter's KV blocks in use"
+)
+preemptions_total = Counter(
+    "adaserve_num_preemptions_total", "Requests preempted (KV freed, recomputed later)"
+)
+prefix_cache_queries = Counter(
+    "adaserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"
+)
+prefix_cache_hits = Counter(
+    "adaserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not recomputed)"
+)
 
 iterations_total = Counter("adaserve_iterations_total", "Decode iterations")
+prefill_tokens_total = Counter(
+    "adaserve_prefill_tokens_total",
+    "Prompt tokens prefilled (chunks, in decode iterations or alone)",
+)
 iteration_seconds = Histogram(
     "adaserve_iteration_seconds",
     "Iteration latency by phase",
@@ -103,13 +119,23 @@ tpot_seconds = Histogram(
 )
 slo_attained_total = Counter(
     "adaserve_engine_slo_attained_total",
-    "Finished requests that met their TPOT SLO",
+    "Finished requests that met their SLO: TTFT (where set) and TPOT both",
     ["slo_class"],
 )
 slo_missed_total = Counter(
     "adaserve_engine_slo_missed_total",
-    "Finished requests that missed their TPOT SLO",
+    "Finished requests that missed their TTFT or TPOT SLO",
     ["slo_class"],
+)
+ttft_slo_total = Counter(
+    "adaserve_engine_ttft_slo_total",
+    "Finished requests by whether their first token met the TTFT SLO (none set: met)",
+    ["slo_class", "outcome"],
+)
+tpot_slo_total = Counter(
+    "adaserve_engine_tpot_slo_total",
+    "Finished requests of two or more tokens by whether they met the TPOT SLO",
+    ["slo_class", "outcome"],
 )
 goodput_tokens_total = Counter(
     "adaserve_engine_goodput_tokens_total",

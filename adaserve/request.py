@@ -63,6 +63,7 @@ class GenerationRequest:
     slo_class: str | None = None
     priority: int = 0  # vLLM-style: lower runs first when admission queues
     timeout_s: float | None = None  # deadline from submission; expired -> aborted everywhere
+    ttft_slo_ms: float | None = None  # time to first token from submission; None: no SLO
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -76,6 +77,10 @@ class GenerationRequest:
             raise ValueError(f"request {self.id}: prompt token ids must be integers >= 0")
         if not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):
             raise ValueError(f"request {self.id}: tpot_slo_ms must be > 0, got {self.tpot_slo_ms}")
+        if self.ttft_slo_ms is not None and not (
+            math.isfinite(self.ttft_slo_ms) and self.ttft_slo_ms > 0
+        ):
+            raise ValueError(f"request {self.id}: ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
         if self.timeout_s is not None and not (self.timeout_s > 0):
             raise ValueError(f"request {self.id}: timeout_s must be > 0, got {self.timeout_s}")
 

@@ -49,16 +49,22 @@ class LocalScheduler(Scheduler):
 
 
 def selection_params(
-    settings: SchedulerSettings, depth: int, t_spec_ms: float, num_requests: int = 0
+    settings: SchedulerSettings,
+    depth: int,
+    t_spec_ms: float,
+    num_requests: int = 0,
+    budget: int | None = None,
 ) -> SelectionParams:
     """SelectionParams from the settings, for an iteration of `num_requests` trees
     predicted to take t_spec_ms: the one place that turns settings into params.
+    `budget`: this iteration's tree budget where batch formation set one (prefill chunks
+    riding along take part of the knee), else the settings' B.
 
     The prediction is inflated by `correction_factor`, as FlexFlow Serve does, so that
     an iteration slightly slower than predicted still leaves requests on their SLO. The
     budget is at least the number of requests: every root costs a slot and must fit."""
     return SelectionParams(
-        budget=max(settings.budget, num_requests),
+        budget=max(budget or settings.budget, num_requests),
         depth=depth,
         t_spec_ms=t_spec_ms * settings.correction_factor,
         policy=settings.policy,

@@ -13,6 +13,10 @@ engine committed that are not in the draft KV yet (their last one is the root). 
 * afterwards the pending chain is committed and every beam node is dropped, so
   speculative KV only ever lives in the runner's scratch for the call.
 
+An update marked `ingest` (a prompt chunk the target prefills in the same iteration)
+is forwarded into the draft KV and committed whole, with no logits; its tree is
+root-only. A long prompt so reaches the drafter chunk by chunk, never in one forward.
+
 With `stop_prob` > 0 a request's search ends before a step in which none of its beams
 has a path probability of at least `stop_prob`: the drafter's own confidence decides
 how deep each tree goes, up to `depth` (EAGLE-2 and SpecDec++ stop on the same signal).
@@ -34,6 +38,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from adaserve import metrics
+from adaserve.model.block_manager import KVCacheFull
 from adaserve.tree import CandidateTree
 
 # Conditional log-probs are floored here so trees stay finite when the drafter gives a
@@ -46,6 +52,9 @@ class DraftUpdate:
     id: str
     new_tokens: np.ndarray  # int32: tokens committed since the last call (first call: all)
     total_len: int  # committed length after applying new_tokens (drift check)
+    # Take the tokens into the draft KV and draft nothing (a prompt being prefilled in
+    # chunks: the drafter prefills the same chunk in the same iteration).
+    ingest: bool = False
 
 
 class DrafterStateLost(RuntimeError):
@@ -98,6 +107,23 @@ class BeamDrafter:
     def speculate(
         self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
     ) -> list[CandidateTree]:
+        try:
+            trees = self._speculate(updates, depth, width, stop_prob)
+        except KVCacheFull:
+            # The draft KV follows the target's rule: blocks on demand, and under
+            # pressure the requests not in this call give theirs up (they re-sync from
+            # their history when next asked: DrafterStateLost).
+            idle = set(self._pending) - {u.id for u in updates}
+            if not idle:
+                raise
+            self.release(sorted(idle))
+            trees = self._speculate(updates, depth, width, stop_prob)
+        metrics.drafter_kv_usage.set(float(self.runner.kv_usage()))
+        return trees
+
+    def _speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float
+    ) -> list[CandidateTree]:
         if depth < 0 or width < 1:
             raise ValueError(f"speculate: need depth >= 0 and width >= 1, got {depth}, {width}")
         if not (0.0 <= stop_prob < 1.0):  # NaN fails too
@@ -110,30 +136,36 @@ class BeamDrafter:
 
         # Full histories (first call, or a resync after DrafterStateLost) start afresh.
         fresh = {u.id for u, new in zip(updates, news, strict=True) if new.shape[0] == u.total_len}
-        for sid in fresh:
-            self._drop(sid)
-            self.runner.add_sequence(sid)
-            self._pending[sid] = np.zeros(0, dtype=np.int32)
+        cached: dict[str, int] = {}
+        for u, new in zip(updates, news, strict=True):
+            if u.id in fresh:
+                self._drop(u.id)
+                # The draft KV's prefix cache may hold the history's start already.
+                cached[u.id] = self.runner.add_sequence(u.id, new)
+                self._pending[u.id] = np.zeros(0, dtype=np.int32)
         chains = {
-            u.id: np.concatenate([self._pending[u.id], new])
+            u.id: np.concatenate([self._pending[u.id], new[cached.get(u.id, 0) :]])
             for u, new in zip(updates, news, strict=True)
         }
         roots = [int(chains[u.id][-1]) for u in updates]
         limit = int(getattr(self.runner, "max_model_len", 1 << 62))
+        ingest = [u for u in updates if u.ingest and chains[u.id].shape[0]]
         # Requests whose draft steps would run past the drafter's context stay root-only.
-        active = [u for u in updates if depth > 0 and u.total_len + depth <= limit]
+        active = [u for u in updates if not u.ingest and depth > 0 and u.total_len + depth <= limit]
         layers = None
         try:
+            if ingest:
+                self._ingest(ingest, chains)
             if active:
                 layers = self._beam_search(active, chains, depth, width, stop_prob)
         except BaseException:
-            for u in active:
+            for u in [*ingest, *active]:
                 if u.id not in fresh:
                     self.runner.commit(u.id, [])  # drop this call's scratch only
             for sid in fresh:  # never half-built: the engine re-sends these in full
                 self._drop(sid)
             raise
-        for u in active:
+        for u in [*ingest, *active]:
             self.runner.commit(u.id, range(chains[u.id].shape[0]))
             chains[u.id] = np.zeros(0, dtype=np.int32)
         self._pending.update(chains)
@@ -185,6 +217,17 @@ class BeamDrafter:
     def _drop(self, sid: str) -> None:
         self._pending.pop(sid, None)
         self.runner.free(sid)
+
+    def _ingest(self, updates: list[DraftUpdate], chains: dict[str, np.ndarray]) -> None:
+        """Forward the chains of prompt chunks into the draft KV: no logits are needed
+        (where the runner can skip them)."""
+        from adaserve.model.runner import SeqInput
+
+        inputs = [SeqInput.chain(u.id, chains[u.id], prefill=True) for u in updates]
+        if self._last_rows == "logits_indices":
+            self.runner.forward(inputs, logits_indices=[])
+        else:
+            self._forward_last(inputs)
 
     def _forward_last(self, inputs) -> torch.Tensor:
         """Logits of each input's last node only: step 1 needs nothing else, and the LM

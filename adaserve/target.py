@@ -1,7 +1,8 @@
 """The verifier side of an iteration, as the engine sees it.
 
-`TargetModel` hides logits from the engine: it prefills prompts, verifies selected
-trees and commits the accepted KV. `RunnerTarget` does that on the real model runner;
+`TargetModel` hides logits from the engine: one forward per iteration verifies the
+selected trees, commits the accepted KV, prefills chunks of prompts and samples the
+first token of each prompt a chunk completes. `RunnerTarget` does that on the real model runner;
 the simulator substitutes a modelled target with the same interface.
 """
 
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from adaserve.request import SamplingParams
 from adaserve.sampling import TokenRng
@@ -29,27 +29,57 @@ class VerifyItem:
     max_new: int  # tokens the request may still emit
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next prompt tokens of a request being prefilled (its sequence was added)."""
+
+    seq_id: str
+    tokens: np.ndarray  # int32 [k]: prompt tokens start .. start + k - 1
+    start: int  # position of tokens[0]: what the sequence already holds
+    last: bool  # the chunk ends the prompt: its last row gives the first output token
+    sampling: SamplingParams
+    generator: TokenRng | None
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    verified: list[VerifyResult]  # one per tree, in order
+    first_tokens: list[int | None]  # one per chunk: the first output token of a last chunk
+
+
 class TargetModel(Protocol):
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks in all
 
-    def prefill(
-        self, items: Sequence[tuple[str, Sequence[int], SamplingParams, TokenRng | None]]
-    ) -> list[int]:
-        """Commit each prompt's KV and return each request's first generated token."""
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        """Start a request's KV sequence for the prompt `tokens`; returns how many of
+        them the prefix cache holds already (the rest is prefilled in chunks)."""
         ...
 
-    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]: ...
+    def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
+        """One forward over the selected trees and the prefill chunks: verify each tree
+        and commit its accepted path, commit each chunk's KV, and sample the first
+        token of every prompt that a chunk completes."""
+        ...
 
     def free(self, seq_id: str) -> None: ...
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        """Whether the KV cache can hold `total_tokens` tokens spread over the running
-        requests (the engine reserves each request's maximum at admission)."""
+    def free_blocks(self) -> int:
+        """KV blocks a forward can still take."""
+        ...
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        """New KV blocks the sequences need for `growth[id]` more tokens each."""
         ...
 
     def kv_usage(self) -> float: ...
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up, tokens found) in the prefix cache so far."""
+        ...
 
     def make_generator(self, seed: int | None) -> TokenRng | None: ...
 
@@ -57,70 +87,68 @@ class TargetModel(Protocol):
 class RunnerTarget:
     """TargetModel over an `adaserve.model.runner.ModelRunner`."""
 
-    def __init__(self, runner, eos_token_ids: Sequence[int], prefill_chunk: int = 512) -> None:
+    def __init__(self, runner, eos_token_ids: Sequence[int]) -> None:
         self.runner = runner
         self.vocab_size = int(runner.vocab_size)
         self.max_model_len = int(runner.max_model_len)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.prefill_chunk = prefill_chunk
+        self.block_size = int(runner.block_size)
+        self.num_blocks = int(runner.num_blocks)
 
-    def prefill(self, items) -> list[int]:
-        for seq_id, *_ in items:
-            self.runner.add_sequence(seq_id)
-        # Chunk long prompts; every chunk of every prompt rides in one forward per round.
-        last_logits: dict[str, torch.Tensor] = {}
-        pending = {seq_id: np.asarray(tokens, dtype=np.int32) for seq_id, tokens, *_ in items}
-        offset = 0
-        while pending:
-            inputs, owners = [], []
-            for seq_id, toks in pending.items():
-                chunk = toks[offset : offset + self.prefill_chunk]
-                inputs.append(_chain_input(seq_id, chunk))
-                owners.append((seq_id, len(chunk)))
-            logits = self.runner.forward(inputs, last_only=True)
-            for (seq_id, n), row in zip(owners, logits, strict=True):
-                self.runner.commit(seq_id, range(n))
-                last_logits[seq_id] = row
-            offset += self.prefill_chunk
-            pending = {s: t for s, t in pending.items() if len(t) > offset}
-        first = []
-        for seq_id, _, sampling, generator in items:
-            root = CandidateTree.root_only(0)  # token unused: only its logits matter
-            res = verify_tree(
-                root,
-                last_logits[seq_id][None],
-                sampling,
-                generator,
-                eos_token_ids=self.eos_token_ids,
-            )
-            first.append(int(res.emitted_tokens[0]))
-        return first
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        return self.runner.add_sequence(seq_id, tokens)
 
-    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
+    def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
         from adaserve.model.runner import SeqInput
 
-        inputs = [SeqInput(it.seq_id, it.tree.tokens, it.tree.parents) for it in items]
-        logits = self.runner.forward(inputs)
-        results = verify_batch(
-            [it.tree for it in items],
-            logits,
-            [it.sampling for it in items],
-            [it.generator for it in items],
+        inputs = [SeqInput(it.seq_id, it.tree.tokens, it.tree.parents) for it in trees]
+        inputs += [SeqInput.chain(c.seq_id, c.tokens, prefill=True) for c in chunks]
+        # Logits for every tree node and for the last row of each completed prompt: the
+        # LM head is skipped for the rest of the chunk rows.
+        rows = list(range(sum(len(it.tree) for it in trees)))
+        pos = len(rows)
+        finals = []
+        for c in chunks:
+            pos += len(c.tokens)
+            if c.last:
+                finals.append(len(rows))
+                rows.append(pos - 1)
+        logits = self.runner.forward(inputs, logits_indices=rows)  # KVCacheFull: nothing done
+        n_tree = sum(len(it.tree) for it in trees)
+        verified = verify_batch(
+            [it.tree for it in trees],
+            logits[:n_tree],
+            [it.sampling for it in trees],
+            [it.generator for it in trees],
             eos_token_ids=self.eos_token_ids,
-            max_new=[it.max_new for it in items],
+            max_new=[it.max_new for it in trees],
         )
-        for it, res in zip(items, results, strict=True):
+        for it, res in zip(trees, verified, strict=True):
             self.runner.commit(it.seq_id, res.accepted_nodes)
-        return results
+        first: list[int | None] = []
+        finals_iter = iter(finals)
+        for c in chunks:
+            self.runner.commit(c.seq_id, range(len(c.tokens)))
+            if not c.last:
+                first.append(None)
+                continue
+            row = logits[next(finals_iter)][None]
+            root = CandidateTree.root_only(0)  # token unused: only its logits matter
+            res = verify_tree(root, row, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
+            first.append(int(res.emitted_tokens[0]))
+        return ForwardResult(verified, first)
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        cache = self.runner.cache
-        # One partly filled block per sequence is the worst-case fragmentation.
-        slack = (len(cache.seqs) + 1) * cache.block_size
-        return total_tokens + slack <= cache.allocator.num_blocks * cache.block_size
+    def free_blocks(self) -> int:
+        return int(self.runner.free_blocks())
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        return int(self.runner.blocks_needed(growth))
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.runner.prefix_cache_stats()
 
     def kv_usage(self) -> float:
         return float(self.runner.kv_usage())
@@ -129,9 +157,3 @@ class RunnerTarget:
         # Counter-based stream: a seeded request samples the same tokens whatever the
         # batch or the tree shapes (see adaserve/sampling.py).
         return TokenRng(seed)
-
-
-def _chain_input(seq_id: str, tokens: np.ndarray):
-    from adaserve.model.runner import SeqInput
-
-    return SeqInput(seq_id, tokens, np.arange(-1, len(tokens) - 1, dtype=np.int32))

@@ -27,8 +27,10 @@ def start_up(
     """`adaserve up --port PORT ARGS...` with its output in `log`, once /ready answers;
     `env` adds environment variables (settings such as ADASERVE_MODEL__CPU_KERNEL)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    # The services' own logs beside `log`, not in the working directory's ./logs.
+    log_dir = ["--log-dir", str(log.with_suffix(""))] if "--log-dir" not in args else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "adaserve", "up", "--port", str(port), *args],
+        [sys.executable, "-m", "adaserve", "up", "--port", str(port), *log_dir, *args],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -190,7 +190,9 @@ def slo_info(info: vpb.InfoResponse) -> dict[str, Any]:
         "baseline_tpot_ms": round(info.baseline_tpot_ms, 3),
         "default_class": info.default_slo_class,
         "classes": {
-            name: {"tpot_ms": round(ms, 3)} for name, ms in sorted(info.slo_classes.items())
+            name: {"tpot_ms": round(ms, 3)}
+            | ({"ttft_ms": info.slo_class_ttft_ms[name]} if name in info.slo_class_ttft_ms else {})
+            for name, ms in sorted(info.slo_classes.items())
         },
         "slo_floor_ms": round(info.slo_floor_ms, 3),
         "speculative": info.speculative,

@@ -38,6 +38,7 @@ class Header:
     best_effort: bool = False  # the SLO is below the unit's floor (judged at admission)
     slo_floor_ms: float | None = None  # None: a unit that does not report it
     best_effort_reason: str | None = None
+    ttft_slo_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class Generation:
             best_effort=first.best_effort,
             slo_floor_ms=first.slo_floor_ms or None,
             best_effort_reason=first.best_effort_reason or None,
+            ttft_slo_ms=first.ttft_slo_ms or None,
         )
         self.best_effort = first.best_effort
 
@@ -184,6 +186,7 @@ class Generation:
         h = self.header
         return {
             "tpot_slo_ms": h.tpot_slo_ms if h else None,
+            "ttft_slo_ms": h.ttft_slo_ms if h else None,
             "slo_class": h.slo_class if h else None,
             "best_effort": self.best_effort,
             "slo_floor_ms": _round(h.slo_floor_ms) if h else None,
@@ -205,7 +208,13 @@ class Generation:
         self.gw.metrics.requests.labels(self.spec.kind, str(status), slo_class).inc()
         if h is not None and self.finish_reason in ("stop", "length"):
             self.gw.metrics.finished(
-                slo_class, h.tpot_slo_ms, self.times, now, h.num_prompt_tokens, self.best_effort
+                slo_class,
+                h.tpot_slo_ms,
+                self.times,
+                now,
+                h.num_prompt_tokens,
+                self.best_effort,
+                ttft_slo_ms=h.ttft_slo_ms,
             )
         self._log(status, now)
 
@@ -225,6 +234,7 @@ class Generation:
             "unit": self.unit.address if self.unit else None,
             "slo_class": h.slo_class if h else self.spec.metrics_class,
             "tpot_slo_ms": h.tpot_slo_ms if h else self.spec.tpot_slo_ms,
+            "ttft_slo_ms": h.ttft_slo_ms if h else self.spec.ttft_slo_ms,
             "prompt_tokens": h.num_prompt_tokens if h else None,
             "completion_tokens": t.n_tokens,
             "ttft_ms": _ms(t.t_first - t.t_submit) if t.t_first is not None else None,

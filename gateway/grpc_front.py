@@ -101,6 +101,7 @@ class GatewayServicer(ggrpc.GatewayServicer):
                     tpot_slo_ms=h.tpot_slo_ms,
                     slo_floor_ms=h.slo_floor_ms or 0.0,
                     best_effort_reason=h.best_effort_reason or "",
+                    ttft_slo_ms=h.ttft_slo_ms or 0.0,
                 )
                 if c.finish_reason is not None:
                     out.finish_reason = finish_reason_to_pb(c.finish_reason)
@@ -127,6 +128,7 @@ def _options(opts: gpb.RequestOptions, context: grpc.aio.ServicerContext) -> dic
         "model": opts.model or None,
         "top_k": opts.top_k or None,
         "tpot_slo_ms": opts.tpot_slo_ms or None,
+        "ttft_slo_ms": opts.ttft_slo_ms or None,
         "slo_class": opts.slo_class or None,
         "request_id": opts.request_id or None,
         "timeout": opts.timeout_s or None,

@@ -40,7 +40,12 @@ class RequestTimes:
             return None
         return (self.t_last - self.t_first) / (self.n_tokens - 1)
 
-    def attained(self, tpot_slo_ms: float) -> bool:
+    def attained(self, tpot_slo_ms: float, ttft_slo_ms: float | None = None) -> bool:
+        """Both SLOs met: TTFT (where set) and TPOT."""
+        if ttft_slo_ms is not None and (
+            self.t_first is None or (self.t_first - self.t_submit) * 1000.0 > ttft_slo_ms
+        ):
+            return False
         tpot = self.tpot_s
         # One token has no inter-token time: nothing to violate.
         return tpot is None or tpot * 1000.0 <= tpot_slo_ms
@@ -132,8 +137,10 @@ class GatewayMetrics:
         now: float,
         num_prompt_tokens: int,
         best_effort: bool,
+        ttft_slo_ms: float | None = None,
     ) -> None:
-        """A request completed (stop or length): record latency and SLO outcome."""
+        """A request completed (stop or length): record latency and SLO outcome (both
+        SLOs met; the TTFT one where set)."""
         if times.t_first is not None:
             self.ttft.labels(slo_class).observe(times.t_first - times.t_submit)
         if (tpot := times.tpot_s) is not None:
@@ -143,7 +150,7 @@ class GatewayMetrics:
         self.prompt_tokens.labels(slo_class).inc(num_prompt_tokens)
         if best_effort:
             self.best_effort.labels(slo_class).inc()
-        ok = times.attained(tpot_slo_ms)
+        ok = times.attained(tpot_slo_ms, ttft_slo_ms)
         self.slo_requests.labels(slo_class).inc()
         if ok:
             self.slo_attained.labels(slo_class).inc()

@@ -60,6 +60,7 @@ class _Common(_Body):
     user: str | None = None
     # adaserve / vLLM extras
     tpot_slo_ms: FiniteFloat | None = Field(default=None, gt=0.0, le=3_600_000.0)
+    ttft_slo_ms: FiniteFloat | None = Field(default=None, gt=0.0, le=3_600_000.0)
     slo_class: str | None = Field(default=None, min_length=1, max_length=64)
     priority: int = Field(default=0, ge=-_INT32_MAX, le=_INT32_MAX)
     request_id: str | None = None

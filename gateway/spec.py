@@ -19,6 +19,7 @@ from gateway.errors import bad_request
 from gateway.openai_schemas import REQUEST_ID_RE, ChatCompletionRequest, CompletionRequest
 
 SLO_HEADER = "x-slo-tpot-ms"
+TTFT_HEADER = "x-slo-ttft-ms"
 REQUEST_ID_HEADER = "x-request-id"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CUSTOM_SLO_CLASS = "custom"  # metrics label of requests with an explicit tpot_slo_ms
@@ -48,6 +49,7 @@ class GenerateSpec:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     tpot_slo_ms: float | None = None
+    ttft_slo_ms: float | None = None  # None: the class's TTFT SLO, if it has one
     slo_class: str | None = None
     priority: int = 0
     timeout_s: float | None = None
@@ -83,6 +85,7 @@ class GenerateSpec:
             request_id=self.engine_id,
             sampling=sampling,
             tpot_slo_ms=self.tpot_slo_ms or 0.0,
+            ttft_slo_ms=self.ttft_slo_ms or 0.0,
             slo_class=self.slo_class or "",
             priority=self.priority,
             timeout_s=self.timeout_s or 0.0,
@@ -99,8 +102,8 @@ class GenerateSpec:
         return req
 
 
-def parse_slo_header(headers: Mapping[str, str]) -> float | None:
-    raw = headers.get(SLO_HEADER)
+def parse_slo_header(headers: Mapping[str, str], name: str = SLO_HEADER) -> float | None:
+    raw = headers.get(name)
     if raw is None:
         return None
     try:
@@ -109,8 +112,8 @@ def parse_slo_header(headers: Mapping[str, str]) -> float | None:
         value = math.nan
     if not (math.isfinite(value) and 0 < value <= 3_600_000):
         raise bad_request(
-            f"header {SLO_HEADER} must be a number of milliseconds in (0, 3600000], got {raw!r}",
-            param=SLO_HEADER,
+            f"header {name} must be a number of milliseconds in (0, 3600000], got {raw!r}",
+            param=name,
         )
     return value
 
@@ -168,6 +171,10 @@ def _common(
     tpot = body.tpot_slo_ms
     if tpot is None and body.slo_class is None:
         tpot = parse_slo_header(headers)
+    # TTFT: the body field, else the header, else the class's own (resolved by the unit).
+    ttft = body.ttft_slo_ms
+    if ttft is None:
+        ttft = parse_slo_header(headers, TTFT_HEADER)
     return dict(
         model=body.model,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -178,6 +185,7 @@ def _common(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         tpot_slo_ms=tpot,
+        ttft_slo_ms=ttft,
         slo_class=body.slo_class,
         priority=body.priority,
         timeout_s=body.timeout,

@@ -40,22 +40,39 @@ def engine_with(
     )
 
 
-def test_kv_exhausted_requests_wait_in_a_bounded_queue(target_dir) -> None:
-    # 10 blocks of 16 = 160 tokens; each request reserves 5 + 40 (+1 tree node) plus a
-    # block of slack: two run, the next two wait, the fifth is refused (max_queue 2).
-    engine = engine_with(target_dir, kv_blocks=10, max_queue=2, max_running=64)
-    streams = [engine.submit(req(i, PROMPTS[0], 40, 50.0)) for i in range(2)]
+def test_blocks_on_demand_admit_more_and_preempt_when_they_run_out(target_dir) -> None:
+    """10 blocks of 16 tokens; four requests of 5 + 40 tokens (3 blocks each at the end).
+    The old worst-case reservation ran two at a time; blocks taken on demand run all
+    four at once, and when they outgrow the cache the request with the most slack is
+    preempted, recomputed later, and every output is the target's own."""
+    engine = engine_with(target_dir, kv_blocks=10, max_queue=8, max_running=64)
+    preempted = metrics.preemptions_total._value.get()
+    slos = [30.0, 40.0, 1e5, 1e6]  # r3, then r2, have the most slack
+    streams = [engine.submit(req(i, PROMPTS[0], 40, slos[i])) for i in range(4)]
     engine.step()
-    streams += [engine.submit(req(i, PROMPTS[0], 40, 50.0)) for i in range(2, 4)]
-    engine.step()
-    stats = engine.stats()
-    assert (stats.running, stats.waiting) == (2, 2)
-    with pytest.raises(EngineFull):
-        engine.submit(req(4, PROMPTS[0], 40, 50.0))
+    assert engine.stats().running == 4  # all admitted at once
     res = run_to_completion(engine, streams)
     ref = hf_greedy(target_dir, PROMPTS[0], 40)
     assert all(res["tokens"][f"r{i}"] == ref for i in range(4))
+    assert metrics.preemptions_total._value.get() > preempted
     assert engine.target.kv_usage() == 0.0
+    engine.target.runner.cache.blocks.check()
+
+
+def test_the_waiting_queue_is_bounded(target_dir) -> None:
+    engine = engine_with(target_dir, max_queue=2)
+    streams = [engine.submit(req(i, PROMPTS[0], 4, 50.0)) for i in range(2)]
+    with pytest.raises(EngineFull):
+        engine.submit(req(2, PROMPTS[0], 4, 50.0))
+    assert run_to_completion(engine, streams)["finish"] == {"r0": "length", "r1": "length"}
+
+
+def test_a_prompt_longer_than_the_kv_cache_is_refused_at_submit(target_dir) -> None:
+    engine = engine_with(target_dir, kv_blocks=4)  # 64 tokens
+    with pytest.raises(ValueError, match="longer than the KV cache holds"):
+        engine.submit(req(0, list(range(1, 80)), 4, 50.0))
+    ok = engine.submit(req(1, PROMPTS[0], 4, 50.0))  # nothing else affected
+    assert run_to_completion(engine, [ok])["finish"] == {"r1": "length"}
 
 
 def test_a_live_request_id_cannot_be_reused(target_dir) -> None:
@@ -126,7 +143,7 @@ def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
     )
     engine = engine_with(target_dir, drafter=drafter)
     streams = [engine.submit(req(i, PROMPTS[i], 6, 50.0)) for i in range(3)]
-    engine.step()  # speculated once: the drafter holds all three
+    engine.step()  # the prompts, handed to the drafter too: it holds all three
     assert drafter.inner.stats().num_sequences == 3
     drafter.down = True
     res = run_to_completion(engine, streams)
@@ -134,7 +151,7 @@ def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
         assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], 6)
     assert drafter.releases == []  # nothing attempted while it is down
     drafter.down = False
-    engine._drafter_retry_at = 0.0  # skip the 1 s back-off
+    engine.drafter._retry_at = 0.0  # skip the 1 s back-off
     engine.step()
     assert sorted(np.concatenate(drafter.releases).tolist()) == ["r0", "r1", "r2"]
     assert len(drafter.releases) == 1 and drafter.inner.stats().num_sequences == 0

@@ -108,6 +108,42 @@ def test_many_tokens_go_to_the_reference_backend() -> None:
     assert cpu.attend(0, q, kv_new, cache.storage, meta).isfinite().all()
 
 
+def test_a_forward_mixing_trees_and_a_prefill_chunk_splits_per_sequence() -> None:
+    """Chunked prefill rides with trees: the trees still run here, bit for bit what they
+    get alone, and the long chunk gets the reference backend's answer."""
+    heads, kv_heads, d = 9, 3, 64
+    specs = [(40, 6), (0, cpu_ops.MAX_QUERIES + 9), (17, 1)]
+    (c_mix, b_mix), (c_ref, b_ref) = (
+        (c, random_tree_batch(c, specs, np.random.default_rng(4), "chain"))
+        for c in make_pair(kv_heads, d)
+    )
+    t = sum(b_mix.query_lens)
+    q, kv_new = fused_qkv(t, heads, kv_heads, d, seed=4)
+    cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, d)
+    meta = cpu.plan(b_mix)
+    assert isinstance(meta, cpu_ops.MixedMetadata)
+    got = cpu.attend(0, q, kv_new, c_mix.storage, meta)
+    ref = ReferenceBackend(heads, kv_heads, d, CPU)
+    expected = ref.attend(0, q.contiguous(), kv_new.contiguous(), c_ref.storage, ref.plan(b_ref))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert torch.equal(c_mix.storage.kv, c_ref.storage.kv)
+    # The tree rows: the kernel's bits for each sequence alone.
+    start = 0
+    for i, k in enumerate(b_mix.query_lens):
+        if k <= cpu_ops.MAX_QUERIES:
+            alone = type(b_mix)(
+                [k],
+                b_mix.slot_mapping[start : start + k],
+                [b_mix.kv_slots[i]],
+                [b_mix.visible[i]],
+                [b_mix.block_tables[i]],
+            )
+            rows = slice(start, start + k)
+            bits = cpu.attend(0, q[rows], kv_new[rows], c_mix.storage, cpu.plan(alone))
+            assert torch.equal(got[rows], bits), i
+        start += k
+
+
 def test_unsupported_shapes_are_refused() -> None:
     assert cpu_ops.supports(9, 3, 64)
     assert not cpu_ops.supports(9, 3, 72)  # head_dim not a multiple of 16

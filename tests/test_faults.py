@@ -438,11 +438,17 @@ def test_gateway_restarted(dep: Deployment) -> None:
     clients = [SSEClient(dep.gateway.url, PROMPTS[i]) for i in range(4)]
     wait_until("streams flowing", lambda: all(len(c.frames) >= 3 for c in clients), timeout=60)
     dep.gateway.kill()
+    interrupted = 0
     for i, c in enumerate(clients):
         c.join()
-        assert not c.completed and c.transport_error is not None
         ref = dep.text(dep.reference(i))
+        if c.completed:  # a fast stream can finish between the check above and the kill
+            assert c.text() == ref and c.transport_error is None
+            continue
+        interrupted += 1
+        assert c.transport_error is not None
         assert ref.startswith(c.text()) and len(c.text()) < len(ref)
+    assert interrupted  # the kill landed mid-stream
     dep.wait_idle()
     t0 = time.monotonic()
     dep.gateway.launch()

@@ -70,6 +70,11 @@ BAD = [
     ("completions", {"prompt": "x", "tpot_slo_ms": -5}, "tpot_slo_ms"),
     ("completions", {"prompt": "x", "tpot_slo_ms": 0}, "tpot_slo_ms"),
     ("completions", {"prompt": "x", "tpot_slo_ms": 1e12}, "tpot_slo_ms"),
+    ("completions", {"prompt": "x", "ttft_slo_ms": -5}, "ttft_slo_ms"),
+    ("completions", {"prompt": "x", "ttft_slo_ms": 0}, "ttft_slo_ms"),
+    ("completions", {"prompt": "x", "ttft_slo_ms": 1e12}, "ttft_slo_ms"),
+    ("completions", {"prompt": "x", "ttft_slo_ms": "soon"}, "ttft_slo_ms"),
+    ("chat/completions", {**CHAT, "ttft_slo_ms": True}, "ttft_slo_ms"),
     ("completions", {"prompt": "x", "slo_class": "platinum"}, "slo_class"),
     ("completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("completions", {"prompt": "x", "stop": [str(i) for i in range(9)]}, "stop"),
@@ -139,10 +144,21 @@ def test_malformed_body_is_400(gateway: str, content: bytes, ctype: str) -> None
     _assert_error(r, 400)
 
 
+@pytest.mark.parametrize("field", ["tpot_slo_ms", "ttft_slo_ms"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_slo_is_400_naming_the_field(gateway: str, field: str, value: str) -> None:
+    body = f'{{"model": "m", "prompt": "x", "{field}": {value}}}'.encode()
+    r = httpx.post(
+        f"{gateway}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    _assert_error(r, 400, param=field)
+
+
+@pytest.mark.parametrize("header", ["x-slo-tpot-ms", "x-slo-ttft-ms"])
 @pytest.mark.parametrize("value", ["fast", "-1", "0", "nan", "inf", ""])
-def test_bad_slo_header_is_400(gateway: str, value: str) -> None:
-    r = httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers={"x-slo-tpot-ms": value})
-    _assert_error(r, 400, param="x-slo-tpot-ms")
+def test_bad_slo_header_is_400(gateway: str, header: str, value: str) -> None:
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers={header: value})
+    _assert_error(r, 400, param=header)
 
 
 def test_unknown_fields_are_ignored(gateway: str) -> None:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.kv_cache import BlockAllocator, KVCacheFull, KVStorage, PagedKVCache
+from adaserve.model.block_manager import BlockManager
+from adaserve.model.kv_cache import KVCacheFull, KVStorage, PagedKVCache
 
 
 def _cache(num_blocks: int = 16, block_size: int = 4) -> PagedKVCache:
@@ -20,14 +21,20 @@ def _append(cache: PagedKVCache, sid: str, parents: list[int]) -> None:
     cache.get(sid).append_scratch(np.asarray(parents, dtype=np.int64))
 
 
-def test_allocator_hands_out_each_block_once() -> None:
-    alloc = BlockAllocator(5)
-    a, b = alloc.allocate(2), alloc.allocate(3)
-    assert sorted(a + b) == [0, 1, 2, 3, 4] and alloc.num_free == 0
-    with pytest.raises(KVCacheFull, match="need 1 KV blocks, 0 free of 5"):
-        alloc.allocate(1)
-    alloc.release(a)
-    assert sorted(alloc.allocate(2)) == sorted(a)
+def test_blocks_are_handed_out_once() -> None:
+    blocks = BlockManager(5, 4)
+    blocks.add("a")
+    blocks.add("b")
+    blocks.reserve({"a": 8, "b": 12})
+    a, b = list(blocks.table("a")), list(blocks.table("b"))
+    assert sorted(a + b) == [0, 1, 2, 3, 4] and blocks.num_free == 0
+    with pytest.raises(KVCacheFull, match="need 1 more KV blocks for 1 sequence"):
+        blocks.reserve({"a": 9})
+    blocks.free("a")
+    blocks.add("c")
+    blocks.reserve({"c": 8})
+    assert sorted(blocks.table("c")) == sorted(a)
+    blocks.check()
 
 
 def test_reserve_is_all_or_nothing() -> None:
@@ -37,9 +44,9 @@ def test_reserve_is_all_or_nothing() -> None:
     _append(cache, "a", [-1, 0, 1, 2, 3])  # 2 blocks
     with pytest.raises(KVCacheFull):
         cache.reserve({"a": 3, "b": 9})  # a needs 0 more, b needs 3: 3 > 2 free
-    assert cache.allocator.num_free == 2 and cache.get("b").block_table == []
+    assert cache.blocks.num_free == 2 and cache.get("b").block_table == []
     cache.reserve({"a": 3, "b": 8})
-    assert cache.allocator.num_free == 0
+    assert cache.blocks.num_free == 0
 
 
 def test_commit_moves_kept_chain_down() -> None:
@@ -123,10 +130,10 @@ def test_random_cycles_leave_no_leaks() -> None:
                 chain.append(int(rng.choice(kids)))
             cache.commit(sid, chain)
         used = sum(len(cache.get(s).block_table) for s in live)
-        assert used + cache.allocator.num_free == 64
+        assert used + cache.blocks.num_free == 64
         for s in live:
             assert len(cache.get(s).block_table) == cache.blocks_for(cache.get(s).total_len)
     for sid in list(live):
         cache.free(sid)
-    assert cache.allocator.num_free == 64 and cache.usage() == 0.0
-    assert sorted(cache.allocator._free) == list(range(64))
+    assert cache.blocks.num_free == 64 and cache.usage() == 0.0
+    cache.blocks.check()

@@ -201,9 +201,11 @@ def test_max_model_len_is_enforced(tiny_llama_dir: Path) -> None:
 def test_capacity_accounting(tiny_llama_dir: Path) -> None:
     runner = _runner(tiny_llama_dir, kv_blocks=8, kv_block_size=4, max_model_len=64)
     assert runner.can_allocate(32) and not runner.can_allocate(33)
-    assert runner.can_reserve(28) and not runner.can_reserve(29)  # one block of slack
+    assert runner.free_blocks() == 8 and (runner.num_blocks, runner.block_size) == (8, 4)
     runner.add_sequence("s")
+    assert runner.blocks_needed({"s": 10}) == 3
     runner.forward([SeqInput.chain("s", list(range(10)))])
     runner.commit("s", range(10))
-    assert runner.kv_usage() == 3 / 8
+    assert runner.kv_usage() == 3 / 8 and runner.free_blocks() == 5
+    assert runner.blocks_needed({"s": 2}) == 0 and runner.blocks_needed({"s": 3}) == 1
     assert runner.can_allocate(20) and not runner.can_allocate(21)

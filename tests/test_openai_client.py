@@ -29,6 +29,7 @@ from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from tests._serving import (
     IM_END,
+    TEST_CONFIG,
     Proc,
     free_port,
     greedy_reference,
@@ -83,7 +84,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     target = make_served_model(root / "target", seed=0)
     drafter = make_served_model(root / "drafter", seed=1)
     metrics_port = free_port()
-    vproc, vaddr = start_verifier(root, target, drafter, metrics_port=metrics_port)
+    # The default classes, two of them with a TTFT SLO too.
+    config = TEST_CONFIG + (
+        "  classes:\n"
+        "    coding: {baseline_scale: 1.2, ttft_ms: 800}\n"
+        "    chat: {tpot_ms: 50}\n"
+        "    summarize: {tpot_ms: 150, ttft_ms: 20000}\n"
+    )
+    vproc, vaddr = start_verifier(root, target, drafter, config, metrics_port=metrics_port)
     gport = free_port()
     cfg = root / "gateway.yaml"
     cfg.write_text("gateway:\n  health_interval_s: 0.5\n")
@@ -127,9 +135,9 @@ def test_slo_contract_is_published(stack: Stack) -> None:
     assert unit["model"] == "tiny" and unit["unit"].startswith("127.0.0.1:")
     assert unit["baseline_tpot_ms"] == 20.0 and unit["default_class"] == "chat"
     assert unit["classes"] == {
-        "coding": {"tpot_ms": 24.0},
+        "coding": {"tpot_ms": 24.0, "ttft_ms": 800.0},
         "chat": {"tpot_ms": 50.0},
-        "summarize": {"tpot_ms": 150.0},
+        "summarize": {"tpot_ms": 150.0, "ttft_ms": 20000.0},
     }
     assert unit["speculative"] is True
     # A tiny model's 1-token step is far under the 21 ms (baseline x correction) the
@@ -170,6 +178,32 @@ def test_chat_greedy_equals_target(stack: Stack) -> None:
     assert (msg.role, msg.content) == ("assistant", stack.text(ref))
     assert out.choices[0].finish_reason == _finish(ref)
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref))
+
+
+def test_a_follow_up_turn_is_served_from_the_prefix_cache(stack: Stack) -> None:
+    """A chat's second turn resends the first (system prompt, question, answer): the
+    unit finds that history in its prefix cache and prefills only the new part, and the
+    answer is still the target's own."""
+    from tests._faults import metric
+
+    system = {"role": "system", "content": "You answer questions about colours. " * 8}
+    first = [system, {"role": "user", "content": "Name a colour."}]
+    client = stack.client()
+    out = client.chat.completions.create(model="tiny", messages=first, max_tokens=16, temperature=0)
+    hits = metric(stack.verifier_metrics, "adaserve_prefix_cache_hits_total")
+    second = [
+        *first,
+        {"role": "assistant", "content": out.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    out2 = client.chat.completions.create(
+        model="tiny", messages=second, max_tokens=16, temperature=0
+    )
+    ids = stack.chat_ids(second)
+    assert out2.choices[0].message.content == stack.text(stack.reference(ids, 16))
+    gained = metric(stack.verifier_metrics, "adaserve_prefix_cache_hits_total") - hits
+    # At least the system prompt and the first question, in whole 16-token blocks.
+    assert gained >= 16 * (len(stack.chat_ids(first)) // 16 - 1)
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -407,6 +441,52 @@ def test_mixed_slo_batch_completes_concurrently(stack: Stack) -> None:
     metrics = httpx.get(f"{stack.url}/metrics").text
     for cls in ("coding", "chat", "summarize", "custom"):
         assert f'adaserve_gateway_slo_requests_total{{slo_class="{cls}"}}' in metrics
+
+
+def test_ttft_slo_from_body_header_and_class(stack: Stack) -> None:
+    """A TTFT SLO comes from the body field, else the x-slo-ttft-ms header, else the
+    class's own; the response's slo object reports it (streamed: on the last chunk),
+    and the output is the target's own."""
+    cases = [
+        ({"extra_body": {"ttft_slo_ms": 1234.5}}, 1234.5),
+        ({"extra_headers": {"x-slo-ttft-ms": "2500"}}, 2500.0),
+        ({"extra_body": {"slo_class": "coding"}}, 800.0),
+        ({"extra_body": {"slo_class": "coding", "ttft_slo_ms": 99.0}}, 99.0),
+        ({"extra_body": {"tpot_slo_ms": 70.0}}, None),
+        ({}, None),  # the default class, chat, has none
+    ]
+    client = stack.client()
+    ids = stack.tokenizer.encode("Time to first token:")
+    ref = stack.text(greedy_reference_ignoring_eos(stack, ids, 8))
+    for kw, want in cases:
+        extra_body = {"ignore_eos": True, **kw.get("extra_body", {})}
+        headers = kw.get("extra_headers")
+        out = client.completions.create(
+            model="tiny",
+            prompt="Time to first token:",
+            max_tokens=8,
+            temperature=0,
+            extra_body=extra_body,
+            extra_headers=headers,
+        )
+        assert out.choices[0].text == ref
+        assert (out.model_extra or {})["slo"]["ttft_slo_ms"] == want, kw
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt="Time to first token:",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                extra_body=extra_body,
+                extra_headers=headers,
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+        last = [c for c in chunks if (c.model_extra or {}).get("slo")][-1]
+        assert last.model_extra["slo"]["ttft_slo_ms"] == want, kw
+    metrics = httpx.get(stack.verifier_metrics).text
+    assert 'adaserve_engine_ttft_slo_total{outcome="attained",slo_class="coding"}' in metrics
 
 
 def _batched_iterations(stack: Stack) -> float:

@@ -100,9 +100,13 @@ def test_each_policy_honours_its_budget(policy):
     budget = wl.settings["scheduler"]["budget"]
     batches = res.units[0].target.stats.batches
     assert batches
-    for n, tokens in batches:
+    for n, tokens, prefill in batches:
         if policy in ("adaserve", "paper", "equal", "global"):
             assert n <= tokens <= max(budget, n)
+        elif prefill:
+            # Beside prefill chunks whose TTFT deadlines need the room, batch formation
+            # lets throughput trees give way, for every policy alike (roots stay).
+            assert n <= tokens
         elif policy.startswith("spec-"):
             assert tokens == n * (int(policy.split("-")[1]) + 1)  # the whole chain
         elif policy == "specinfer":
@@ -111,12 +115,12 @@ def test_each_policy_honours_its_budget(policy):
             assert tokens == n  # no speculation: roots only
     if policy in ("equal", "global"):
         # the budget binds under load: selection spends it, not more
-        assert max(t for _, t in batches) == budget
+        assert max(t for _, t, _ in batches) == budget
     if policy == "adaserve":
         # the budget is a cap: adaserve stops where a node no longer pays for its
         # verify time, so it may leave part of it unspent, but it still speculates
-        assert any(t > n for n, t in batches)
-        assert max(t for _, t in batches) <= budget
+        assert any(t > n for n, t, _ in batches)
+        assert max(t for _, t, _ in batches) <= budget
     if policy in ("adaserve", "equal", "global"):
         assert res.summary["mean_accepted"] > 1.5
     if policy.startswith("cb"):

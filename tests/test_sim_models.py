@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -21,12 +22,12 @@ from adaserve.sim.acceptance import (
     load_trace,
 )
 from adaserve.sim.clock import VirtualClock
-from adaserve.sim.costmodel import Curve, HardwareProfile, Surface, load_profile
+from adaserve.sim.costmodel import Curve, HardwareProfile, MixedTable, Surface, load_profile
 from adaserve.sim.drafter import SimDrafter
 from adaserve.sim.target import SimTarget
 from adaserve.sim.workload import LengthDist, Workload
 from adaserve.speculate import DrafterStateLost, DraftUpdate
-from adaserve.target import VerifyItem
+from adaserve.target import PrefillChunk, VerifyItem
 from adaserve.tree import CandidateTree
 
 LLAMA = "llama-3.1-70b-tp4-a100"
@@ -121,11 +122,11 @@ def test_costs_double_in_a_window_with_factor_two():
         sampler = BetaDraft(DraftShape())
         drafter = SimDrafter(p, clock, lambda _id: sampler, np.random.default_rng(0))
         t0 = clock.now
-        target.prefill([("a", [1] * 100, SamplingParams(), None)])
+        prefill(target, ["a"], 100)
         t1 = clock.now
         (tree,) = drafter.speculate(_updates(["a"]), depth=3, width=2)
         t2 = clock.now
-        target.verify([VerifyItem("a", tree, SamplingParams(max_tokens=99), None, 99)])
+        target.forward([VerifyItem("a", tree, SamplingParams(max_tokens=99), None, 99)], [])
         return tuple(1000 * d for d in (t1 - t0, t2 - t1, clock.now - t2))
 
     outside, inside = charged(2.0), charged(12.0)
@@ -251,6 +252,20 @@ def test_generation_is_deterministic():
     assert a == b and a != c
 
 
+def prompt(seq_id: str, n: int) -> PrefillChunk:
+    """A whole n-token prompt as one prefill chunk (distinct ids: no prefix sharing)."""
+    ids = np.arange(n, dtype=np.int32) + 1000 * (zlib.crc32(seq_id.encode()) % 40)
+    return PrefillChunk(seq_id, ids, 0, True, SamplingParams(), None)
+
+
+def prefill(target: SimTarget, ids: list[str], n: int) -> None:
+    """Add each sequence and prefill an n-token prompt for it in one forward."""
+    chunks = [prompt(i, n) for i in ids]
+    for c in chunks:
+        target.add_sequence(c.seq_id, c.tokens.tolist())
+    target.forward([], chunks)
+
+
 def _updates(ids, new=3):
     return [DraftUpdate(i, np.arange(1, new + 1, dtype=np.int32), new) for i in ids]
 
@@ -296,7 +311,7 @@ def test_target_acceptance_matches_path_probabilities():
     d = SimDrafter(prof, clock, lambda _id: sampler, np.random.default_rng(1))
     t = SimTarget(prof, clock, CalibratedAcceptance(), np.random.default_rng(2))
     ids = [f"r{i}" for i in range(16)]
-    t.prefill([(i, [1] * 10, SamplingParams(), None) for i in ids])
+    prefill(t, ids, 10)
     trees = d.speculate(_updates(ids), depth=4, width=3)
     progress = [RequestProgress(i, 40.0, 0.0, 0) for i in ids]
     sel = select(progress, trees, SelectionParams(budget=100, depth=4, t_spec_ms=50.0))
@@ -308,7 +323,7 @@ def test_target_acceptance_matches_path_probabilities():
             VerifyItem(i, s, SamplingParams(max_tokens=99), None, 99)
             for i, s in zip(ids, sub, strict=True)
         ]
-        for s, res in zip(sub, t.verify(items), strict=True):
+        for s, res in zip(sub, t.forward(items, []).verified, strict=True):
             path = res.accepted_nodes
             assert path[0] == 0 and len(res.emitted_tokens) == len(path)
             # a chain: every accepted node's parent is the previous accepted node
@@ -321,11 +336,11 @@ def test_target_caps_at_max_new_and_charges_verify_time():
     prof = load_profile(LLAMA)
     clock = VirtualClock()
     t = SimTarget(prof, clock, CalibratedAcceptance(), np.random.default_rng(0))
-    t.prefill([("a", [1] * 100, SamplingParams(), None)])
+    prefill(t, ["a"], 100)
     after_prefill = clock.now
     assert after_prefill * 1000 == pytest.approx(prof.prefill_ms(100))
     chain = CandidateTree.chain([5, 6, 7, 8], [0.0, 0.0, 0.0, 0.0])  # q = 1: all accepted
-    (res,) = t.verify([VerifyItem("a", chain, SamplingParams(max_tokens=2), None, 2)])
+    (res,) = t.forward([VerifyItem("a", chain, SamplingParams(max_tokens=2), None, 2)], []).verified
     assert res.emitted_tokens.tolist() == [6, 7] and res.finish_reason == "length"
     assert (clock.now - after_prefill) * 1000 == pytest.approx(prof.verify_ms(4, 100))
     assert t.kv_usage() > 0
@@ -360,3 +375,37 @@ def test_drafter_stop_prob_cuts_trees_and_their_draft_time():
         assert k == 5 or pf[depth == k].max() < 0.3
         layers.append(k)
     assert min(layers) < 5 and t_cut < t_full
+
+
+def test_a_mixed_forward_is_charged_once_for_trees_and_chunks():
+    """The unified iteration's cost: one forward for tree tokens beside prefill chunks:
+    the measured mixed table where the profile has one (plus the trees' context cost),
+    else the verify surface continued along the prefill curve; a pure verify or pure
+    prefill forward costs what its own table says."""
+    prof = load_profile(LLAMA)
+    assert prof.forward_ms(8, 0, 1000) == prof.verify_ms(8, 1000)
+    assert prof.forward_ms(0, 300, 0) == prof.prefill_ms(300)
+    top = prof.verify.tokens[-1]
+    derived = prof.verify(top, 1000) + prof.prefill(top + 400) - prof.prefill(top)
+    assert prof.forward_ms(8, int(top) + 392, 1000) == pytest.approx(
+        derived + prof.iteration_overhead_ms
+    )
+    small = prof.forward_ms(8, 8, 1000)  # within the verify table: a 16-token verify
+    assert small == pytest.approx(prof.verify_ms(16, 1000))
+    mixed = prof.model_copy(
+        update={"mixed": MixedTable(tree=[1, 16], prefill=[16, 512], ms=[[30, 80], [35, 90]])}
+    )
+    ctx = mixed.verify(16, 1000) - mixed.verify(16, 0)
+    assert mixed.forward_ms(16, 512, 1000) == pytest.approx(90 + ctx + prof.iteration_overhead_ms)
+    # ... and SimTarget charges exactly that for one forward
+    clock = VirtualClock()
+    t = SimTarget(mixed, clock, CalibratedAcceptance(), np.random.default_rng(0))
+    prefill(t, ["a"], 100)
+    before = clock.now
+    tree = CandidateTree.chain([5, 6], [0.0, -0.1])
+    chunk = PrefillChunk("b", np.ones(40, dtype=np.int32), 0, False, SamplingParams(), None)
+    t.add_sequence("b", [1] * 80)
+    res = t.forward([VerifyItem("a", tree, SamplingParams(max_tokens=9), None, 9)], [chunk])
+    assert res.first_tokens == [None] and len(res.verified) == 1
+    assert (clock.now - before) * 1000 == pytest.approx(mixed.forward_ms(2, 40, 100))
+    assert t.stats.mixed_iterations == 1

@@ -76,3 +76,42 @@ def _single(path: Path, ids: list[int]) -> torch.Tensor:
     runner = load_runner(path, "cpu", "float32", **KV)
     runner.add_sequence("c")
     return runner.forward([SeqInput.chain("c", ids)])
+
+
+def test_tp_engine_prefills_in_chunks_beside_trees_losslessly(tiny_llama_untied_dir: Path) -> None:
+    """The unified iteration under TP=2: prompts prefilled in chunks of a few tokens ride
+    in the same forwards as the trees of running requests; every output is the target's
+    own greedy output (Hugging Face's, no cache)."""
+    from adaserve.config import load_settings
+    from adaserve.engine import Engine
+    from adaserve.scheduler import LocalScheduler
+    from adaserve.speculate import BeamDrafter
+    from adaserve.target import RunnerTarget
+    from tests.test_engine import hf_greedy, req, run_to_completion
+
+    settings = load_settings(
+        None,
+        engine={"kv_blocks": 256, "max_batch_tokens": 6, "min_prefill_tokens": 3},
+        scheduler={"budget": 12},
+    )
+    runner = load_runner(tiny_llama_untied_dir, "cpu", "float32", tp=2, kv_blocks=256)
+    drafter = BeamDrafter(load_runner(tiny_llama_untied_dir, "cpu", "float32", kv_blocks=256))
+    engine = Engine(RunnerTarget(runner, ()), drafter, LocalScheduler(settings.scheduler), settings)
+    prompts = [list(range(3, 40)), list(range(50, 95)), [7, 8, 9]]
+    try:
+        first = [engine.submit(req(0, prompts[0], 20, 30.0))]
+        late: list = []
+
+        def arrive(step: int) -> None:
+            if step in (8, 11):
+                i = 1 + len(late)
+                late.append(engine.submit(req(i, prompts[i], 15, 80.0)))
+
+        got = run_to_completion(engine, first, on_step=arrive)["tokens"]
+        got |= run_to_completion(engine, late)["tokens"]
+        for i, p in enumerate(prompts):
+            n = 20 if i == 0 else 15
+            assert got[f"r{i}"] == hf_greedy(tiny_llama_untied_dir, p, n), i
+        assert runner.kv_usage() == 0.0
+    finally:
+        runner.close()

@@ -54,6 +54,8 @@ def request_body(req: SimRequest, target: BenchTarget) -> dict:
         "tpot_slo_ms": req.tpot_slo_ms,
         "request_id": req.id,
     }
+    if req.ttft_slo_ms is not None:
+        body["ttft_slo_ms"] = req.ttft_slo_ms
     if target.model:
         body["model"] = target.model
     if target.priority_by_slo:
@@ -75,6 +77,7 @@ async def _one(
         arrival_s=req.arrival_s,
         prompt_tokens=req.prompt_tokens,
         max_tokens=req.output_tokens,
+        ttft_slo_ms=req.ttft_slo_ms,
     )
     delay = t0 + req.arrival_s - clock()
     if delay > 0:

@@ -8,7 +8,7 @@ it into its own metadata (`plan`) and then runs every layer with it (`attend`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +28,9 @@ class AttentionBatch:
     kv_slots: list[np.ndarray]  # per sequence int64 [L_b]: slots of logical positions 0..L_b-1
     visible: list[np.ndarray]  # per sequence bool [k_b, L_b]: query i may see position j
     block_tables: list[list[int]]  # per sequence (for paged-kernel backends)
+    # per sequence: its new nodes are a prompt chunk (no tree node among them); a
+    # backend may pick another kernel for them. Empty: none are.
+    prefill: list[bool] = field(default_factory=list)
 
 
 class AttentionBackend(Protocol):

@@ -7,54 +7,33 @@ current iteration) lives at logical position `committed + s`. Committing a chain
 moves the kept nodes' KV down to `committed, committed + 1, ...` and frees the
 blocks the sequence no longer needs.
 
-The allocator and block tables use no torch, so they can be tested (and reasoned
-about) apart from the tensors.
+Block accounting (on-demand allocation, reference counts, automatic prefix caching)
+lives in `block_manager.BlockManager`, which uses no torch, so it can be tested (and
+reasoned about) apart from the tensors and the simulator shares it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from adaserve.model.block_manager import BlockManager, KVCacheFull
 
-class KVCacheFull(RuntimeError):
-    """Not enough free KV blocks for the request; nothing was changed."""
-
-
-class BlockAllocator:
-    """A free list of block ids. LIFO so recently freed (cache-warm) blocks come back
-    first."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheFull(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        out = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
-        return out
-
-    def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+__all__ = ["BlockManager", "KVCacheFull", "KVStorage", "PagedKVCache", "SequenceState"]
 
 
 @dataclass
 class SequenceState:
-    """One sequence's cache bookkeeping: committed length, block table and scratch tree."""
+    """One sequence's cache bookkeeping: committed length, block table (the block
+    manager's list, shared) and scratch tree."""
 
     block_table: list[int] = field(default_factory=list)
     committed: int = 0
     # Scratch nodes of the current iteration, in append order.
+    tokens: list[int] = field(default_factory=list)  # their token ids
     parents: list[int] = field(default_factory=list)  # -1 = child of the committed prefix
     depths: list[int] = field(default_factory=list)  # 0 for a child of the prefix
     # ancestors[i, j]: scratch node j is node i or one of its ancestors. [S, S]
@@ -74,9 +53,13 @@ class SequenceState:
         table = np.asarray(self.block_table, dtype=np.int64)
         return table[pos // block_size] * block_size + pos % block_size
 
-    def append_scratch(self, parents: np.ndarray) -> np.ndarray:
+    def append_scratch(
+        self, parents: np.ndarray, tokens: Sequence[int] | np.ndarray = ()
+    ) -> np.ndarray:
         """Append new scratch nodes (validated by the caller); returns their depths."""
         s0, k = self.scratch_len, len(parents)
+        # Token ids key the prefix cache once committed; -1 where a caller has none.
+        self.tokens.extend([int(t) for t in tokens] if len(tokens) else [-1] * k)
         anc = np.zeros((s0 + k, s0 + k), dtype=bool)
         anc[:s0, :s0] = self.ancestors
         for j, p in enumerate(parents.tolist()):
@@ -92,7 +75,7 @@ class SequenceState:
         return np.asarray(self.depths[s0:], dtype=np.int64)
 
     def clear_scratch(self) -> None:
-        self.parents, self.depths = [], []
+        self.tokens, self.parents, self.depths = [], [], []
         self.ancestors = np.zeros((0, 0), dtype=bool)
 
 
@@ -140,28 +123,37 @@ class KVStorage:
 
 
 class PagedKVCache:
-    """Block accounting plus storage for a set of sequences."""
+    """Block accounting (a `BlockManager`) plus storage for a set of sequences."""
 
-    def __init__(self, storage: KVStorage, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, storage: KVStorage, num_blocks: int, block_size: int, prefix_caching: bool = True
+    ) -> None:
         self.storage = storage
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.seqs: dict[str, SequenceState] = {}
 
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.blocks.blocks_for(num_tokens)
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.allocator.num_free
+        return self.blocks_for(num_tokens) <= self.blocks.num_free
 
     def usage(self) -> float:
-        a = self.allocator
-        return (a.num_blocks - a.num_free) / a.num_blocks
+        return self.blocks.usage()
 
-    def add(self, seq_id: str) -> None:
+    def add(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
+        """A new sequence that will hold `tokens`: returns how many of them are cached
+        already (their KV is committed from the start; the caller computes the rest)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        self.seqs[seq_id] = SequenceState()
+        cached = self.blocks.add(seq_id, tokens)
+        self.seqs[seq_id] = SequenceState(block_table=self.blocks.table(seq_id), committed=cached)
+        return cached
 
     def get(self, seq_id: str) -> SequenceState:
         try:
@@ -172,19 +164,7 @@ class PagedKVCache:
     def reserve(self, growth: dict[str, int]) -> None:
         """Grow block tables so each sequence can hold `growth[id]` more tokens.
         All or nothing: raises KVCacheFull before touching any table."""
-        need = {
-            sid: self.blocks_for(self.seqs[sid].total_len + n) - len(self.seqs[sid].block_table)
-            for sid, n in growth.items()
-        }
-        total = sum(max(0, n) for n in need.values())
-        if total > self.allocator.num_free:
-            raise KVCacheFull(
-                f"need {total} more KV blocks for {len(growth)} sequence(s), "
-                f"{self.allocator.num_free} free of {self.allocator.num_blocks}"
-            )
-        for sid, n in need.items():
-            if n > 0:
-                self.seqs[sid].block_table.extend(self.allocator.allocate(n))
+        self.blocks.reserve({sid: self.get(sid).total_len + n for sid, n in growth.items()})
 
     def commit(self, seq_id: str, keep: list[int]) -> None:
         seq = self.get(seq_id)
@@ -196,20 +176,14 @@ class PagedKVCache:
             slots = torch.from_numpy(seq.slots(0, seq.total_len, self.block_size))
             slots = slots.to(self.storage.kv.device)
             self.storage.move(slots[src], slots[dst])
+        self.blocks.commit(seq_id, [seq.tokens[s] for s in keep])
         seq.committed = c + len(keep)
         seq.clear_scratch()
-        self._trim(seq)
+        self.blocks.trim(seq_id, seq.total_len)
 
     def free(self, seq_id: str) -> None:
-        seq = self.seqs.pop(seq_id, None)
-        if seq is not None:
-            self.allocator.release(seq.block_table)
-
-    def _trim(self, seq: SequenceState) -> None:
-        keep_blocks = self.blocks_for(seq.total_len)
-        if len(seq.block_table) > keep_blocks:
-            self.allocator.release(seq.block_table[keep_blocks:])
-            del seq.block_table[keep_blocks:]
+        if self.seqs.pop(seq_id, None) is not None:
+            self.blocks.free(seq_id)
 
 
 def _check_chain(seq: SequenceState, keep: list[int], seq_id: str) -> None:

@@ -123,6 +123,7 @@ def load_runner(
     threads: int | None = None,
     quantization: str = "none",
     cpu_kernel: str = "auto",
+    prefix_caching: bool = True,
 ) -> ModelRunner | TPRunner:
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
     and returns a TPRunner with the same interface. `quantization` "int8" is for a CPU
@@ -139,6 +140,7 @@ def load_runner(
         attention_backend=attention_backend,
         quantization=quantization,
         cpu_kernel=cpu_kernel,
+        prefix_caching=prefix_caching,
     )
     if threads is not None:
         torch.set_num_threads(threads)
@@ -163,6 +165,7 @@ def build_runner(
     attention_backend: str = "auto",
     quantization: str = "none",
     cpu_kernel: str = "auto",
+    prefix_caching: bool = True,
 ) -> ModelRunner:
     """Build this rank's runner from a resolved HF directory."""
     cfg = ModelConfig.from_dir(path)
@@ -205,7 +208,7 @@ def build_runner(
     storage = KVStorage(
         cfg.num_layers, kv_blocks, kv_block_size, kv_heads, cfg.head_dim, dtype, device
     )
-    cache = PagedKVCache(storage, kv_blocks, kv_block_size)
+    cache = PagedKVCache(storage, kv_blocks, kv_block_size, prefix_caching)
     if backend is None:
         backend = make_backend(attention_backend, heads, kv_heads, cfg.head_dim, device)
     runner = ModelRunner(model, cfg, cache, backend, device, dtype, max_len)

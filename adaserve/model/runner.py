@@ -30,13 +30,17 @@ class SeqInput:
     parents: np.ndarray  # int32 [k]: index into the sequence's scratch nodes (earlier
     # calls' scratch first, then these), or -1 = child of the committed prefix.
     # Position = committed_len + depth.
+    prefill: bool = False  # a prompt chunk, not tree nodes: attention may take another path
 
     @staticmethod
-    def chain(seq_id: str, tokens: Sequence[int] | np.ndarray) -> SeqInput:
+    def chain(seq_id: str, tokens: Sequence[int] | np.ndarray, prefill: bool = False) -> SeqInput:
         """A prefill chunk / plain decode step: each token the child of the previous."""
         k = len(tokens)
         return SeqInput(
-            seq_id, np.asarray(tokens, dtype=np.int32), np.arange(-1, k - 1, dtype=np.int32)
+            seq_id,
+            np.asarray(tokens, dtype=np.int32),
+            np.arange(-1, k - 1, dtype=np.int32),
+            prefill,
         )
 
 
@@ -66,8 +70,11 @@ class ModelRunner:
 
     # -- sequence lifecycle ------------------------------------------------------------
 
-    def add_sequence(self, seq_id: str) -> None:
-        self.cache.add(seq_id)
+    def add_sequence(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
+        """Start a sequence that will hold `tokens` (its prompt, when known): returns how
+        many leading tokens the prefix cache already holds (committed from the start;
+        the caller forwards the rest)."""
+        return self.cache.add(seq_id, [int(t) for t in tokens])
 
     def committed_len(self, seq_id: str) -> int:
         return self.cache.get(seq_id).committed
@@ -88,11 +95,28 @@ class ModelRunner:
         """Whether one new sequence of `num_tokens` fits in the free blocks right now."""
         return self.cache.can_allocate(num_tokens)
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        """Whether the cache could hold `total_tokens` spread over the current sequences
-        plus one more (one partly filled block each is the worst-case rounding)."""
-        slack = (len(self.cache.seqs) + 1) * self.cache.block_size
-        return total_tokens + slack <= self.cache.allocator.num_blocks * self.cache.block_size
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def free_blocks(self) -> int:
+        """Blocks a forward can still take (cached blocks nobody holds included)."""
+        return self.cache.blocks.num_free
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        """New blocks the sequences need for `growth[id]` more tokens each."""
+        return self.cache.blocks.blocks_needed(
+            {sid: self.cache.get(sid).total_len + n for sid, n in growth.items()}
+        )
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found) in the prefix cache so far."""
+        st = self.cache.blocks.stats
+        return st.queries, st.hits
 
     def kv_usage(self) -> float:
         return self.cache.usage()
@@ -146,7 +170,7 @@ class ModelRunner:
         for x in inputs:
             seq = self.cache.get(x.seq_id)
             k, before = len(x.tokens), seq.total_len
-            depths = seq.append_scratch(np.asarray(x.parents, dtype=np.int64))
+            depths = seq.append_scratch(np.asarray(x.parents, dtype=np.int64), x.tokens)
             positions.append(seq.committed + depths)
             slot_mapping.append(seq.slots(before, seq.total_len, bs))
             kv_slots.append(seq.slots(0, seq.total_len, bs))
@@ -161,6 +185,7 @@ class ModelRunner:
             kv_slots=kv_slots,
             visible=visible,
             block_tables=tables,
+            prefill=[x.prefill for x in inputs],
         )
         return batch, np.concatenate(positions)
 

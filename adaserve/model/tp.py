@@ -41,6 +41,7 @@ READY_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class AddSequence:
     seq_id: str
+    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ Command = AddSequence | Forward | Commit | Free | Shutdown
 def apply(runner: ModelRunner, cmd: Command) -> torch.Tensor | None:
     """Run one command on this rank's runner."""
     match cmd:
-        case AddSequence(seq_id):
-            runner.add_sequence(seq_id)
+        case AddSequence(seq_id, tokens):
+            # Every rank's cache looks the prefix up alike: the same blocks are found.
+            return torch.tensor(runner.add_sequence(seq_id, tokens))
         case Forward(inputs, logits_indices, last_only):
             return runner.forward(inputs, logits_indices, last_only=last_only)
         case Commit(seq_id, keep):
@@ -163,10 +165,12 @@ class TPRunner:
         _broadcast(cmd, self._control)
         return apply(self.local, cmd)
 
-    def add_sequence(self, seq_id: str) -> None:
+    def add_sequence(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
         if self.local.has_sequence(seq_id):  # fail here, not on every rank
             raise ValueError(f"sequence {seq_id!r} already exists")
-        self._run(AddSequence(seq_id))
+        cached = self._run(AddSequence(seq_id, [int(t) for t in tokens]))
+        assert cached is not None
+        return int(cached)
 
     def forward(
         self,
@@ -212,8 +216,22 @@ class TPRunner:
     def can_allocate(self, num_tokens: int) -> bool:
         return self.local.can_allocate(num_tokens)
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        return self.local.can_reserve(total_tokens)
+    @property
+    def block_size(self) -> int:
+        return self.local.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.local.num_blocks
+
+    def free_blocks(self) -> int:
+        return self.local.free_blocks()
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        return self.local.blocks_needed(growth)
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.local.prefix_cache_stats()
 
     def kv_usage(self) -> float:
         return self.local.kv_usage()

@@ -41,6 +41,8 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
+from adaserve.latency import interp
+
 PROFILE_DIR = Path(__file__).parent / "profiles"
 # The baseline TPOT that SLO classes scale (paper 000): plain decoding at batch 8 with
 # 32-token prompts, halfway through 128-token outputs.
@@ -65,7 +67,7 @@ class Curve(BaseModel):
         return self
 
     def __call__(self, tokens: float) -> float:
-        return _interp(float(tokens), self.tokens, self.ms)
+        return interp(float(tokens), self.tokens, self.ms)
 
 
 class Surface(BaseModel):
@@ -90,8 +92,8 @@ class Surface(BaseModel):
         return self
 
     def __call__(self, tokens: float, context: float) -> float:
-        rows = [_interp(float(tokens), self.tokens, row) for row in self.ms]
-        return max(0.0, _interp(float(context), self.context, rows))
+        rows = [interp(float(tokens), self.tokens, row) for row in self.ms]
+        return max(0.0, interp(float(context), self.context, rows))
 
 
 def _check_axis(name: str, xs: list[float]) -> None:
@@ -99,16 +101,6 @@ def _check_axis(name: str, xs: list[float]) -> None:
         raise ValueError(f"{name} must be finite and >= 0")
     if any(b <= a for a, b in itertools.pairwise(xs)):
         raise ValueError(f"{name} must be strictly increasing, got {xs}")
-
-
-def _interp(x: float, xs: list[float], ys: list[float]) -> float:
-    if len(xs) == 1 or x <= xs[0]:
-        return float(ys[0])
-    if x >= xs[-1]:  # continue the last segment: cost keeps growing with size
-        # (never shrinking: a noisy measured table must not extrapolate below zero)
-        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-        return float(ys[-1] + slope * (x - xs[-1]))
-    return float(np.interp(x, xs, ys))
 
 
 Phase = Literal["verify", "draft", "prefill"]
@@ -124,6 +116,33 @@ class SpeedPoint(BaseModel):
     prefill: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
 
 
+class MixedTable(BaseModel):
+    """Measured latency of forwards carrying both tree tokens and prefill chunk tokens
+    (`adaserve profile`): ms[i][j] for tree[i] tree tokens and prefill[j] chunk tokens,
+    bilinear in both."""
+
+    model_config = ConfigDict(extra="forbid")
+    tree: list[float] = Field(min_length=1)
+    prefill: list[float] = Field(min_length=1)
+    ms: list[list[float]] = Field(min_length=1)  # [len(tree)][len(prefill)]
+
+    @model_validator(mode="after")
+    def _check(self) -> MixedTable:
+        _check_axis("tree", self.tree)
+        _check_axis("prefill", self.prefill)
+        if len(self.ms) != len(self.tree) or any(len(r) != len(self.prefill) for r in self.ms):
+            raise ValueError(
+                "mixed.ms must have one row per tree value and one column per prefill value"
+            )
+        if any(not (m >= 0 and np.isfinite(m)) for row in self.ms for m in row):
+            raise ValueError("latencies must be finite and >= 0")
+        return self
+
+    def __call__(self, tree: float, prefill: float) -> float:
+        rows = [interp(float(prefill), self.prefill, row) for row in self.ms]
+        return max(0.0, interp(float(tree), self.tree, rows))
+
+
 class HardwareProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -134,6 +153,9 @@ class HardwareProfile(BaseModel):
     verify: Surface
     draft_step: Curve
     prefill: Curve
+    # Forwards mixing tree tokens and prefill chunks; None -> derived from verify and
+    # prefill (HardwareProfile.forward_ms).
+    mixed: MixedTable | None = None
     # Host-side work per iteration not covered by the tables (scheduling, sampling).
     iteration_overhead_ms: float = Field(default=0.0, ge=0.0)
     kv_capacity_tokens: PositiveInt = 500_000
@@ -168,6 +190,33 @@ class HardwareProfile(BaseModel):
 
     def prefill_ms(self, tokens: int, at_s: float | None = None) -> float:
         return self.prefill(tokens) * self.speed("prefill", at_s) if tokens > 0 else 0.0
+
+    def forward_ms(
+        self, tree_tokens: int, prefill_tokens: int, context_tokens: int, at_s: float | None = None
+    ) -> float:
+        """One target forward over the selected trees (with `context_tokens` cached
+        behind them) and prefill chunks: a verify without chunks, a prefill without
+        trees, and for a mixed forward the measured `mixed` table (plus the trees'
+        context cost from the verify surface), or else the verify surface continued
+        past its last token count along the prefill curve's slope."""
+        if prefill_tokens <= 0:
+            return self.verify_ms(tree_tokens, context_tokens, at_s)
+        if tree_tokens <= 0:
+            return self.prefill_ms(prefill_tokens, at_s)
+        table = self.mixed_table_ms(tree_tokens, prefill_tokens, context_tokens)
+        return table * self.speed("verify", at_s) + self.iteration_overhead_ms
+
+    def mixed_table_ms(self, tree_tokens: int, prefill_tokens: int, context_tokens: int) -> float:
+        """A mixed forward's latency from the tables alone (no speed trace, no
+        overhead): what the engine's latency model starts from in the simulator."""
+        if self.mixed is not None:
+            ctx = self.verify(tree_tokens, context_tokens) - self.verify(tree_tokens, 0)
+            return self.mixed(tree_tokens, prefill_tokens) + max(0.0, ctx)
+        n = tree_tokens + prefill_tokens
+        top = self.verify.tokens[-1]
+        if n <= top:
+            return self.verify(n, context_tokens)
+        return self.verify(top, context_tokens) + max(0.0, self.prefill(n) - self.prefill(top))
 
     def baseline_ms(self) -> float:
         """Paper 000's recipe (BASELINE_BATCH, BASELINE_CONTEXT)."""

@@ -5,7 +5,8 @@ synthetic top-k distributions from the acceptance model instead of a small model
 logits, and advances the virtual clock by the profile's draft-step latency (times the
 profile's speed factor at the clock's time when the call starts): the first
 forward takes every newly committed token (the root included, a whole prompt for a new
-request), each further layer one token per beam (n * w).
+request), each further layer one token per beam (n * w). Prompt chunks sent for
+ingestion (`DraftUpdate.ingest`) are charged in the first forward and get no tree.
 """
 
 from __future__ import annotations
@@ -55,31 +56,36 @@ class SimDrafter:
             if len(u.new_tokens):
                 self._last[u.id] = int(u.new_tokens[-1])
             new_tokens += len(u.new_tokens)
-        n = len(updates)
-        if n == 0 or depth < 1:
-            return [CandidateTree.root_only(self._last[u.id]) for u in updates]
-        if self.expansion is not None:
-            layers = self._static_layers(updates, depth, self.expansion)
-        else:
-            layers = self._beam_layers(updates, depth, max(1, width))
-        searched = _searched_layers(layers, stop_prob)
-        # Forward 1 reads the new tokens; forward l >= 2 reads layer l - 1 of the
-        # requests still searching (BeamDrafter's stop_prob rule).
+        drafting = [u for u in updates if not u.ingest] if depth >= 1 else []
         start = self.clock.now
+        # Forward 1 reads the new tokens (prompt chunks being ingested included);
+        # forward l >= 2 reads layer l - 1 of the requests still searching
+        # (BeamDrafter's stop_prob rule).
         ms = self.profile.draft_ms(new_tokens, start)
-        ms += sum(
-            self.profile.draft_ms(int((searched > k).sum()) * q.shape[1], start)
-            for k, (_, q) in enumerate(layers[:-1], start=1)
-            if (searched > k).any()
-        )
-        self.clock.advance_ms(ms)
-        self.draft_log.append((start, ms))
-        # Layers are stored in order, so a shallower tree is a prefix of the full one.
-        sizes = np.cumsum([1, *(q.shape[1] for _, q in layers)])
-        return [
-            CandidateTree(t.tokens[:m], t.parents[:m], t.logprobs[:m]) if m < len(t) else t
-            for t, m in zip(self._trees(updates, layers), sizes[searched], strict=True)
-        ]
+        trees: dict[str, CandidateTree] = {}
+        if drafting:
+            if self.expansion is not None:
+                layers = self._static_layers(drafting, depth, self.expansion)
+            else:
+                layers = self._beam_layers(drafting, depth, max(1, width))
+            searched = _searched_layers(layers, stop_prob)
+            ms += sum(
+                self.profile.draft_ms(int((searched > k).sum()) * q.shape[1], start)
+                for k, (_, q) in enumerate(layers[:-1], start=1)
+                if (searched > k).any()
+            )
+            # Layers are stored in order, so a shallower tree is a prefix of the full one.
+            sizes = np.cumsum([1, *(q.shape[1] for _, q in layers)])
+            for u, t, m in zip(
+                drafting, self._trees(drafting, layers), sizes[searched], strict=True
+            ):
+                trees[u.id] = (
+                    CandidateTree(t.tokens[:m], t.parents[:m], t.logprobs[:m]) if m < len(t) else t
+                )
+        if ms > 0:
+            self.clock.advance_ms(ms)
+            self.draft_log.append((start, ms))
+        return [trees.get(u.id) or CandidateTree.root_only(self._last[u.id]) for u in updates]
 
     @property
     def draft_ms_total(self) -> float:

@@ -19,6 +19,7 @@ import numpy as np
 
 from adaserve.config import Settings
 from adaserve.engine import Engine, EngineFull, RequestStream
+from adaserve.latency import ForwardLatency
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.scheduler import LocalScheduler
 from adaserve.sim.acceptance import BetaDraft, build_acceptance
@@ -130,7 +131,14 @@ def simulate(
     units = []
     for u in range(workload.units):
         clock = VirtualClock()
-        target = SimTarget(profile, clock, calibration, np.random.default_rng(seeds[2 * u]))
+        target = SimTarget(
+            profile,
+            clock,
+            calibration,
+            np.random.default_rng(seeds[2 * u]),
+            settings.engine.kv_block_size,
+            settings.engine.prefix_caching,
+        )
         drafter = None
         if spec.speculative:
             drafter = SimDrafter(
@@ -143,6 +151,12 @@ def simulate(
             settings,
             clock=clock,
             model_name=profile.name,
+            # The engine plans forwards with the profile's tables at the host's speed of
+            # the moment (a live engine's drift factor tracks that within a few
+            # iterations), not the knee prior.
+            latency=ForwardLatency(
+                lambda t, p, _ctx, clock=clock: profile.forward_ms(t, p, 0, clock.now)
+            ),
         )
         units.append(Unit(u, clock, engine, target, drafter))
 
@@ -230,14 +244,16 @@ def _submit(units: list[Unit], req: SimRequest, spec: PolicySpec) -> RequestReco
         prompt_tokens=req.prompt_tokens,
         max_tokens=req.output_tokens,
         unit=unit.index,
+        ttft_slo_ms=req.ttft_slo_ms,
     )
     greq = GenerationRequest(
         id=req.id,
-        prompt_token_ids=(1,) * req.prompt_tokens,
+        prompt_token_ids=req.prompt_ids(unit.target.vocab_size),
         sampling=SamplingParams(max_tokens=req.output_tokens, ignore_eos=True),
         tpot_slo_ms=req.tpot_slo_ms,
         slo_class=req.slo_class,
         priority=round(req.tpot_slo_ms * 1000) if spec.priority_by_slo else 0,
+        ttft_slo_ms=req.ttft_slo_ms,
     )
     try:
         stream = unit.engine.submit(greq)

@@ -5,7 +5,10 @@ Times the model runners directly (median of `reps` after a warm-up):
 - verify: one target forward of T tree tokens spread over up to 8 sequences whose
   committed context sums to C (scratch dropped after each forward);
 - draft step: one drafter forward of n*w single-token frontier nodes, all logits;
-- prefill: one target forward of a P-token prompt, last row's logits only.
+- prefill: one target forward of a P-token prompt, last row's logits only;
+- mixed: one target forward carrying T tree tokens (over 512 tokens of context, all
+  logits) beside a P-token prompt chunk (last row's logits), as the engine's unified
+  iteration runs them.
 
 The budget is the knee of the verify curve, taken as the largest measured token count
 whose forward costs at most twice a single-token one.
@@ -25,6 +28,7 @@ from adaserve.sim.costmodel import (
     BASELINE_CONTEXT,
     Curve,
     HardwareProfile,
+    MixedTable,
     Surface,
 )
 
@@ -37,6 +41,8 @@ class ProfileGrid:
     contexts: tuple[int, ...] = (0, 512, 2048)
     draft_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_tokens: tuple[int, ...] = (16, 64, 256, 512, 1024)
+    mixed_tree: tuple[int, ...] = (1, 4, 16)
+    mixed_prefill: tuple[int, ...] = (16, 64, 256, 512)
     reps: int = 3
 
 
@@ -62,7 +68,7 @@ class _Seqs:
         for sid in self.ids:
             runner.add_sequence(sid)
             toks = rng.integers(0, runner.vocab_size, size=per, dtype=np.int32)
-            runner.forward([SeqInput.chain(sid, toks)], logits_indices=[per - 1])
+            runner.forward([SeqInput.chain(sid, toks, prefill=True)], logits_indices=[per - 1])
             runner.commit(sid, range(per))
 
     def forward(self, tokens: int, rng: np.random.Generator, chain: bool, all_logits: bool):
@@ -111,6 +117,59 @@ def measure_baseline_ms(runner, reps: int = 5, seed: int = 0) -> float:
         seqs.free()
 
 
+FORWARD_CURVE_TOKENS = (1, 8, 32, 128, 512)
+CONTEXT_PROBE = (128, 1024)  # a chunk of 128 tokens, at a prompt's start and 1k tokens in
+
+
+def measure_forward_curve(
+    runner, tokens: Sequence[int] = FORWARD_CURVE_TOKENS, reps: int = 2, seed: int = 0
+) -> tuple[list[float], list[float], float]:
+    """The engine's latency model (`engine.latency_curve`): forward latency against the
+    tokens one forward carries, a chain of N new tokens at a sequence's start with
+    logits for every row up to 32 (trees) and for the last row beyond (prefill chunks
+    skip the LM head); and `context_ms`, what each thousand (query, earlier token)
+    pairs add, from a 128-token chunk 1k tokens into its prompt against the same chunk
+    at the start. Leaves no sequence behind."""
+    from adaserve.model.runner import SeqInput
+
+    rng = np.random.default_rng(seed)
+    points = [t for t in tokens if t < runner.max_model_len] or [1]
+
+    def chunk_ms(n: int, start: int) -> float:
+        def once() -> None:
+            runner.add_sequence("__curve")
+            try:
+                if start:
+                    head = rng.integers(0, runner.vocab_size, size=start, dtype=np.int32)
+                    head_in = SeqInput.chain("__curve", head, prefill=True)
+                    runner.forward([head_in], logits_indices=[])
+                    runner.commit("__curve", range(start))
+                toks = rng.integers(0, runner.vocab_size, size=n, dtype=np.int32)
+                # up to 32 tokens: a tree's nodes, all logits; beyond: a chunk, its last
+                prefill = n > 32
+                rows = [n - 1] if prefill else list(range(n))
+                _sync(runner)
+                t0 = time.perf_counter()
+                inp = SeqInput.chain("__curve", toks, prefill=prefill)
+                runner.forward([inp], logits_indices=rows)
+                _sync(runner)
+                times.append((time.perf_counter() - t0) * 1000.0)
+            finally:
+                runner.free("__curve")
+
+        times: list[float] = []
+        for _ in range(max(1, reps) + 1):  # the first is a warm-up
+            once()
+        return statistics.median(times[1:])
+
+    ms = [chunk_ms(n, 0) for n in points]
+    k, s = CONTEXT_PROBE
+    context_ms = 0.0
+    if k + s < runner.max_model_len:
+        context_ms = max(0.0, (chunk_ms(k, s) - chunk_ms(k, 0)) / (k * s / 1000.0))
+    return [float(t) for t in points], ms, context_ms
+
+
 def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
     limit = runner.max_model_len - max(grid.tokens) - 1
     contexts = [c for c in grid.contexts if c // MAX_SEQS <= limit] or [0]
@@ -150,7 +209,7 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
         def once(p: int = p) -> None:
             runner.add_sequence("prefill")
             toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
-            runner.forward([SeqInput.chain("prefill", toks)], logits_indices=[p - 1])
+            runner.forward([SeqInput.chain("prefill", toks, prefill=True)], logits_indices=[p - 1])
             _sync(runner)
             runner.free("prefill")
 
@@ -158,6 +217,42 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
         ms.append(m)
         log(f"prefill tokens={p:<5} {m:8.2f} ms")
     return Curve(tokens=[float(p) for p in points], ms=ms)
+
+
+def measure_mixed(runner, grid: ProfileGrid, rng, log=print) -> MixedTable:
+    from adaserve.model.runner import SeqInput
+
+    seqs = _Seqs(runner, "m-", 512, rng)
+    points = [p for p in grid.mixed_prefill if p < runner.max_model_len] or [1]
+    rows = []
+    for t in grid.mixed_tree:
+        row = []
+        for p in points:
+
+            def once(t: int = t, p: int = p) -> None:
+                k = min(t, MAX_SEQS)
+                sizes = [t // k + (1 if i < t % k else 0) for i in range(k)]
+                inputs = [
+                    SeqInput.chain(sid, rng.integers(0, runner.vocab_size, m, dtype=np.int32))
+                    for sid, m in zip(seqs.ids, sizes, strict=False)
+                ]
+                runner.add_sequence("mixed-prompt")
+                prompt = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
+                inputs.append(SeqInput.chain("mixed-prompt", prompt, prefill=True))
+                runner.forward(inputs, logits_indices=[*range(t), t + p - 1])
+                _sync(runner)
+                for sid in seqs.ids[:k]:
+                    runner.commit(sid, [])
+                runner.free("mixed-prompt")
+
+            ms = _median_ms(once, grid.reps)
+            row.append(ms)
+            log(f"mixed   tree={t:<5} prefill={p:<6} {ms:8.2f} ms")
+        rows.append(row)
+    seqs.free()
+    return MixedTable(
+        tree=[float(t) for t in grid.mixed_tree], prefill=[float(p) for p in points], ms=rows
+    )
 
 
 def knee_budget(verify: Surface) -> int:
@@ -189,10 +284,11 @@ def measure_profile(
         else Curve(tokens=[1.0], ms=[0.0])
     )
     prefill = measure_prefill(target, grid, rng, log)
+    mixed = measure_mixed(target, grid, rng, log)
     cache = getattr(target, "cache", None)
     capacity = None
     if cache is not None:
-        capacity = int(cache.allocator.num_blocks * cache.block_size)
+        capacity = int(cache.num_blocks * cache.block_size)
     return HardwareProfile(
         name=name,
         description=description,
@@ -201,6 +297,7 @@ def measure_profile(
         verify=verify,
         draft_step=draft,
         prefill=prefill,
+        mixed=mixed,
         kv_capacity_tokens=capacity or 500_000,
         max_model_len=int(target.max_model_len),
         vocab_size=int(target.vocab_size),

@@ -36,7 +36,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
     print(
         f"{summary['policy']} @ {summary['rps']} req/s: "
-        f"attainment {f(summary['slo_attainment'], '.3f')}, "
+        f"attainment {f(summary['slo_attainment'], '.3f')} "
+        f"(TTFT {f(summary.get('ttft_attainment'), '.3f')}, "
+        f"TPOT {f(summary.get('tpot_attainment'), '.3f')}), "
         f"goodput {f(summary['goodput'], '.1f')} tok/s, "
         f"throughput {f(summary.get('throughput'), '.1f')} tok/s, "
         f"mean accepted {f(summary.get('mean_accepted'), '.2f')}, "
@@ -44,8 +46,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     for name, c in summary["per_class"].items():
         print(
-            f"  {name:<14} SLO {f(c.get('tpot_slo_ms'), '.1f')} ms  "
-            f"attainment {f(c['slo_attainment'], '.3f')}  goodput {f(c['goodput'], '.1f')}  "
+            f"  {name:<14} SLO {f(c.get('tpot_slo_ms'), '.1f')} ms"
+            f" (TTFT {f(c.get('ttft_slo_ms'), '.0f')} ms)  "
+            f"attainment {f(c['slo_attainment'], '.3f')}"
+            f" (TTFT {f(c.get('ttft_attainment'), '.3f')}, TPOT {f(c.get('tpot_attainment'), '.3f')})"
+            f"  goodput {f(c['goodput'], '.1f')}  "
             f"TPOT p50/p90 {f(c['tpot_p50_ms'], '.1f')}/{f(c['tpot_p90_ms'], '.1f')} ms  "
-            f"TTFT p50 {f(c['ttft_p50_ms'], '.0f')} ms"
+            f"TTFT p50/p90 {f(c['ttft_p50_ms'], '.0f')}/{f(c['ttft_p90_ms'], '.0f')} ms"
         )

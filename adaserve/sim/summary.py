@@ -1,7 +1,9 @@
 """The papers' metrics over per-request records, shared by the simulator and `bench serve`.
 
-A request attains its SLO when (t_last - t_first) / (n_tokens - 1) <= tpot_slo (a
-single-token output attains when it finishes normally); goodput is the tokens per
+A request attains its SLO when it meets both: its TTFT SLO, where it has one
+(t_first - arrival <= ttft_slo), and its TPOT SLO, (t_last - t_first) / (n_tokens - 1)
+<= tpot_slo (a single-token output meets it when it finishes normally); each is also
+reported on its own (ttft_attainment, tpot_attainment). Goodput is the tokens per
 second of requests that attained, over the span from the first arrival to the last
 finish. Requests that never finished (rejected, error, timeout) count as violations.
 """
@@ -35,6 +37,7 @@ class RequestRecord:
     best_effort: bool = False
     error: str | None = None
     decode_steps: int | None = None  # verification steps (simulator only)
+    ttft_slo_ms: float | None = None  # None: no TTFT SLO
 
     @property
     def tpot_ms(self) -> float | None:
@@ -49,11 +52,22 @@ class RequestRecord:
         return (self.first_token_s - self.arrival_s) * 1000.0
 
     @property
-    def attained(self) -> bool:
+    def tpot_attained(self) -> bool:
         if self.finish_reason not in OK_FINISH or self.num_tokens < 1:
             return False
         tpot = self.tpot_ms
         return True if tpot is None else tpot <= self.tpot_slo_ms
+
+    @property
+    def ttft_attained(self) -> bool:
+        if self.finish_reason not in OK_FINISH or self.num_tokens < 1:
+            return False
+        ttft = self.ttft_ms
+        return self.ttft_slo_ms is None or (ttft is not None and ttft <= self.ttft_slo_ms)
+
+    @property
+    def attained(self) -> bool:
+        return self.ttft_attained and self.tpot_attained
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -76,6 +90,8 @@ def _group(records: list[RequestRecord], span_s: float) -> dict[str, Any]:
         "finished": sum(r.finish_reason in OK_FINISH for r in records),
         "attained": len(attained),
         "slo_attainment": len(attained) / n if n else None,
+        "ttft_attainment": sum(r.ttft_attained for r in records) / n if n else None,
+        "tpot_attainment": sum(r.tpot_attained for r in records) / n if n else None,
         "goodput": sum(r.num_tokens for r in attained) / span_s if span_s > 0 else 0.0,
         "throughput": sum(r.num_tokens for r in records) / span_s if span_s > 0 else 0.0,
         "tpot_p50_ms": _pct(tpots, 50),
@@ -85,11 +101,16 @@ def _group(records: list[RequestRecord], span_s: float) -> dict[str, Any]:
         "ttft_p90_ms": _pct(ttfts, 90),
         "ttft_p99_ms": _pct(ttfts, 99),
         "tpot_slo_ms": records[0].tpot_slo_ms if n and _same_slo(records) else None,
+        "ttft_slo_ms": records[0].ttft_slo_ms if n and _same_ttft(records) else None,
         # tokens per verification step (bonus included), when steps were recorded
         "mean_accepted": (
             sum(r.num_tokens - 1 for r in records if r.decode_steps) / steps if steps else None
         ),
     }
+
+
+def _same_ttft(records: list[RequestRecord]) -> bool:
+    return all(r.ttft_slo_ms == records[0].ttft_slo_ms for r in records)
 
 
 def _same_slo(records: list[RequestRecord]) -> bool:

@@ -1,8 +1,9 @@
 """The modelled target: verification latency from the profile, acceptance from the model.
 
-Implements the engine's `TargetModel` interface. `verify` advances the virtual clock by
-the profile's verify latency for the batch's tree tokens and cached context (times the
-profile's speed factor at the clock's time when it starts), then walks
+Implements the engine's `TargetModel` interface. `forward` advances the virtual clock by
+the profile's latency for one forward over the batch's tree tokens (with their cached
+context) and prefill chunk tokens (`HardwareProfile.forward_ms`, times the profile's
+speed factor at the clock's time when it starts), then walks
 every tree: at an accepted node the target picks child c with probability g(q_c) (the
 calibration; siblings exclusive) or none of them, so a node is accepted with
 probability prod g(q) along its path (= f(v) when g(q) = q). The bonus token is a
@@ -16,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.request import SamplingParams
+from adaserve.model.block_manager import BlockManager
 from adaserve.sim.acceptance import Calibration
 from adaserve.sim.clock import VirtualClock
 from adaserve.sim.costmodel import HardwareProfile
-from adaserve.target import VerifyItem
+from adaserve.target import ForwardResult, PrefillChunk, VerifyItem
 from adaserve.verify import VerifyResult
 
 
@@ -38,10 +39,12 @@ class TargetStats:
     drafted_steps: int = 0
     drafted_emitted: int = 0
     prefill_tokens: int = 0
-    # per iteration: (batch size, tree tokens verified)
-    batches: list[tuple[int, int]] = field(default_factory=list)
-    # (simulated start time s, ms charged) of every verify (one per iteration) and
-    # prefill: phase time per window of simulated time (driver.phase_windows)
+    mixed_iterations: int = 0  # forwards carrying both trees and prefill chunks
+    # per iteration with trees: (batch size, tree tokens verified, prefill tokens beside)
+    batches: list[tuple[int, int, int]] = field(default_factory=list)
+    # (simulated start time s, ms charged) of every forward: those carrying trees
+    # (prefill chunks riding along included) and those carrying prompt chunks alone:
+    # phase time per window of simulated time (driver.phase_windows)
     verify_log: list[tuple[float, float]] = field(default_factory=list)
     prefill_log: list[tuple[float, float]] = field(default_factory=list)
 
@@ -63,6 +66,8 @@ class SimTarget:
         clock: VirtualClock,
         calibration: Calibration,
         rng: np.random.Generator,
+        block_size: int = 16,
+        prefix_caching: bool = True,
     ) -> None:
         self.profile = profile
         self.clock = clock
@@ -70,39 +75,51 @@ class SimTarget:
         self.rng = rng
         self.vocab_size = profile.vocab_size
         self.max_model_len = profile.max_model_len
-        self._ctx: dict[str, int] = {}  # committed tokens per sequence
+        # The real block accounting (on-demand blocks, prefix cache, LRU eviction) over
+        # the profile's KV capacity; only the tensors are left out.
+        self.block_size = block_size
+        self.num_blocks = max(1, profile.kv_capacity_tokens // block_size)
+        self.blocks = BlockManager(self.num_blocks, block_size, prefix_caching)
         self.steps: dict[str, int] = {}  # verification steps per sequence (kept after free)
-        self._ctx_total = 0
         self.stats = TargetStats()
 
     # ---- TargetModel ------------------------------------------------------------------
 
-    def prefill(
-        self, items: Sequence[tuple[str, Sequence[int], SamplingParams, object]]
-    ) -> list[int]:
-        tokens = 0
-        for seq_id, prompt, *_ in items:
-            self._ctx[seq_id] = len(prompt)
-            self._ctx_total += len(prompt)
-            tokens += len(prompt)
-        start = self.clock.now
-        ms = self.profile.prefill_ms(tokens, start)
-        self.clock.advance_ms(ms)
-        self.stats.prefill_log.append((start, ms))
-        self.stats.prefill_tokens += tokens
-        return self.rng.integers(1, self.vocab_size, size=len(items)).tolist()
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        return self.blocks.add(seq_id, tokens)
 
-    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
-        if not items:
-            return []
+    def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
+        tree_tokens = sum(len(it.tree) for it in trees)
+        prefill_tokens = sum(len(c.tokens) for c in chunks)
+        growth: dict[str, int] = {it.seq_id: len(it.tree) for it in trees}
+        for c in chunks:
+            growth[c.seq_id] = growth.get(c.seq_id, 0) + len(c.tokens)
+        # KVCacheFull here, as the real cache raises it, before anything changes.
+        self.blocks.reserve({sid: self.blocks.committed(sid) + n for sid, n in growth.items()})
+        context = sum(self.blocks.committed(it.seq_id) for it in trees)
+        start = self.clock.now
+        ms = self.profile.forward_ms(tree_tokens, prefill_tokens, context, start)
+        self.clock.advance_ms(ms)
+        verified = self._verify(trees) if trees else []
+        first: list[int | None] = []
+        for c in chunks:
+            self.blocks.commit(c.seq_id, c.tokens.tolist())
+            first.append(int(self.rng.integers(1, self.vocab_size)) if c.last else None)
+        st = self.stats
+        st.prefill_tokens += prefill_tokens
+        if trees:
+            st.verify_log.append((start, ms))
+            st.batches.append((len(trees), tree_tokens, prefill_tokens))
+        else:
+            st.prefill_log.append((start, ms))
+        if trees and chunks:
+            st.mixed_iterations += 1
+        return ForwardResult(verified, first)
+
+    def _verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
         trees = [it.tree for it in items]
         sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
         tree_tokens = int(sizes.sum())
-        context = sum(self._ctx.get(it.seq_id, 0) for it in items)
-        start = self.clock.now
-        ms = self.profile.verify_ms(tree_tokens, context, start)
-        self.clock.advance_ms(ms)
-
         accepted = self._walk(trees, sizes)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         bonus = self.rng.integers(1, self.vocab_size, size=len(items), dtype=np.int32)
@@ -118,9 +135,10 @@ class SimTarget:
             reason = "length" if len(emitted) >= cap else None
             emitted, path = emitted[:cap], path[:cap]
             results.append(VerifyResult(path.astype(np.int32), emitted, reason))
-            self._ctx[it.seq_id] = self._ctx.get(it.seq_id, 0) + len(emitted)
+            # The accepted path's nodes become committed KV (the bonus roots the next tree).
+            self.blocks.commit(it.seq_id, it.tree.tokens[path].tolist())
+            self.blocks.trim(it.seq_id, self.blocks.committed(it.seq_id))
             self.steps[it.seq_id] = self.steps.get(it.seq_id, 0) + 1
-            self._ctx_total += len(emitted)
             st.emitted += len(emitted)
             st.accepted_drafts += len(path) - 1
             if len(it.tree) > 1:
@@ -129,18 +147,24 @@ class SimTarget:
         st.iterations += 1
         st.request_steps += len(items)
         st.drafted_verified += tree_tokens - len(items)
-        st.verify_log.append((start, ms))
-        st.batches.append((len(items), tree_tokens))
         return results
 
     def free(self, seq_id: str) -> None:
-        self._ctx_total -= self._ctx.pop(seq_id, 0)
+        self.blocks.free(seq_id)
 
-    def can_reserve(self, total_tokens: int) -> bool:
-        return total_tokens <= self.profile.kv_capacity_tokens
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    def blocks_needed(self, growth: dict[str, int]) -> int:
+        return self.blocks.blocks_needed(
+            {sid: self.blocks.committed(sid) + n for sid, n in growth.items()}
+        )
 
     def kv_usage(self) -> float:
-        return min(1.0, self._ctx_total / self.profile.kv_capacity_tokens)
+        return self.blocks.usage()
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.blocks.stats.queries, self.blocks.stats.hits
 
     def make_generator(self, seed: int | None) -> None:
         return None

@@ -9,6 +9,7 @@ request by request.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -65,6 +66,9 @@ class RequestClass(BaseModel):
     prompt_tokens: LengthDist
     output_tokens: LengthDist
     draft: DraftShape = Field(default_factory=DraftShape)
+    # Every prompt of the class starts with the same this-many tokens (a shared system
+    # prompt): the prefix cache serves them after the first. The rest is the request's own.
+    shared_prefix_tokens: int = Field(default=0, ge=0)
     # piecewise arrivals: [[fraction of the trace, relative rate], ...], linear between
     # points; normalized so the class's mean rate stays weight * rps.
     rate_profile: list[tuple[float, float]] | None = None
@@ -157,7 +161,8 @@ class Workload(BaseModel):
             raise ValueError(f"urgent class {urgent!r} is not in the workload")
         c = self.classes[urgent]
         classes = dict(self.classes)
-        classes[urgent] = c.model_copy(update={"slo": SLOClass(baseline_scale=scale)})
+        slo = SLOClass(baseline_scale=scale, ttft_ms=c.slo.ttft_ms)
+        classes[urgent] = c.model_copy(update={"slo": slo})
         return self.model_copy(update={"classes": classes})
 
     # ---- trace generation -----------------------------------------------------------
@@ -182,7 +187,18 @@ class Workload(BaseModel):
             outputs = c.output_tokens.sample(len(idx), rng)
             slo = c.slo.resolve_ms(baseline_tpot_ms)
             for i, p, o in zip(idx, prompts, outputs, strict=True):
-                out.append(SimRequest(f"r{i:06d}", float(times[i]), name, int(p), int(o), slo))
+                out.append(
+                    SimRequest(
+                        f"r{i:06d}",
+                        float(times[i]),
+                        name,
+                        int(p),
+                        int(o),
+                        slo,
+                        c.slo.ttft_ms,
+                        c.shared_prefix_tokens,
+                    )
+                )
         out.sort(key=lambda r: (r.arrival_s, r.id))
         return out
 
@@ -213,6 +229,21 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     tpot_slo_ms: float
+    ttft_slo_ms: float | None = None
+    shared_prefix_tokens: int = 0  # of prompt_tokens, the class's common start
+
+    def prompt_ids(self, vocab_size: int) -> tuple[int, ...]:
+        """Token ids of the prompt, deterministic per request: the class's shared
+        start, then ids of the request's own (so prefix caching sees what real prompts
+        would give it: nothing shared but a configured system prompt)."""
+        shared = min(self.shared_prefix_tokens, self.prompt_tokens)
+        head = np.random.default_rng(zlib.crc32(self.slo_class.encode())).integers(
+            1, vocab_size, size=shared
+        )
+        tail = np.random.default_rng(zlib.crc32(self.id.encode())).integers(
+            1, vocab_size, size=self.prompt_tokens - shared
+        )
+        return tuple(int(t) for t in np.concatenate([head, tail]))
 
 
 def _piecewise(wl: Workload, rps, duration_s, names, weights, rng):

@@ -243,7 +243,10 @@ def speculate_request_to_pb(
     return drafter_pb2.SpeculateRequest(
         updates=[
             drafter_pb2.DraftUpdate(
-                id=u.id, new_tokens=packed(u.new_tokens, I32), total_len=u.total_len
+                id=u.id,
+                new_tokens=packed(u.new_tokens, I32),
+                total_len=u.total_len,
+                ingest=u.ingest,
             )
             for u in updates
         ],
@@ -265,5 +268,5 @@ def speculate_request_from_pb(
         if not u.id:
             raise WireError(f"updates[{k}].id: empty request id")
         tokens = unpacked(u.new_tokens, I32, f"updates[{k}].new_tokens")
-        updates.append(DraftUpdate(u.id, tokens, u.total_len))
+        updates.append(DraftUpdate(u.id, tokens, u.total_len, ingest=u.ingest))
     return updates, msg.depth, msg.width, msg.stop_prob

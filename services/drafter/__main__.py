@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             quantization=ms.drafter_quantization,
             cpu_kernel=ms.cpu_kernel,
+            prefix_caching=settings.engine.prefix_caching,
         ).result()
         drafter = worker.submit(BeamDrafter, runner).result()
     except (OSError, ValueError) as exc:  # missing or unsupported model: say so, no traceback

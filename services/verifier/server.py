@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,15 +51,16 @@ class VerifierServicer(vgrpc.VerifierServicer):
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
         prompt = await loop.run_in_executor(self._tokenize, self._prompt_ids, request)
-        tpot_slo_ms, slo_class = self._slo(request)
+        slo = self._slo(request)
         req = GenerationRequest(
             id=request.request_id,
             prompt_token_ids=prompt,
             sampling=self._sampling(request.sampling, len(prompt)),
-            tpot_slo_ms=tpot_slo_ms,
-            slo_class=slo_class,
+            tpot_slo_ms=slo.tpot_ms,
+            slo_class=slo.name,
             priority=request.priority,
             timeout_s=request.timeout_s or None,
+            ttft_slo_ms=slo.ttft_ms,
         )
         try:
             stream = self.engine.submit(req)
@@ -75,25 +77,27 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 "client_request_id": request.client_request_id or None,
                 "prompt_tokens": len(prompt),
                 "max_tokens": req.sampling.max_tokens,
-                "tpot_slo_ms": tpot_slo_ms,
-                "slo_class": slo_class,
+                "tpot_slo_ms": slo.tpot_ms,
+                "slo_class": slo.name,
                 "best_effort": stream.verdict.best_effort,
+                "ttft_slo_ms": slo.ttft_ms,
             },
         )
         finished = False
         try:
             yield vpb.GenerateChunk(
                 num_prompt_tokens=len(prompt),
-                tpot_slo_ms=tpot_slo_ms,
-                slo_class=slo_class,
+                tpot_slo_ms=slo.tpot_ms,
+                slo_class=slo.name,
                 best_effort=stream.verdict.best_effort,
                 slo_floor_ms=stream.verdict.floor_ms,
                 best_effort_reason=stream.verdict.reason or "",
+                ttft_slo_ms=slo.ttft_ms or 0.0,
                 server_elapsed_ms=_ms_since(t0),
             )
             async for delta in stream.aiter():
                 finished = delta.finish_reason is not None
-                yield _chunk(delta, tpot_slo_ms, slo_class, t0)
+                yield _chunk(delta, slo, t0)
         finally:
             if not finished:
                 # Cancelled mid-stream (the exception propagates on its own).
@@ -120,6 +124,11 @@ class VerifierServicer(vgrpc.VerifierServicer):
             vocab_size=int(getattr(self.engine.target, "vocab_size", 0)),
             eos_token_ids=list(info.eos_token_ids),
             slo_floor_ms=info.slo_floor_ms,
+            slo_class_ttft_ms={
+                name: cls.ttft_ms
+                for name, cls in self.settings.slo.classes.items()
+                if cls.ttft_ms is not None
+            },
         )
 
     async def Stats(
@@ -152,15 +161,23 @@ class VerifierServicer(vgrpc.VerifierServicer):
             return tuple(_render_chat(tok, request.chat))
         raise ValueError("prompt: one of text, chat or token_ids is required")
 
-    def _slo(self, request: vpb.GenerateRequest) -> tuple[float, str]:
+    def _slo(self, request: vpb.GenerateRequest) -> _SLO:
+        """The request's SLOs: explicit values win, then its class's (TTFT: only where
+        the class sets one)."""
         slo = self.settings.slo
+        ttft = request.ttft_slo_ms or None
         if request.tpot_slo_ms:
-            return request.tpot_slo_ms, request.slo_class or CUSTOM_SLO_CLASS
+            cls = slo.classes.get(request.slo_class)
+            if ttft is None and cls is not None:
+                ttft = cls.ttft_ms
+            return _SLO(request.tpot_slo_ms, ttft, request.slo_class or CUSTOM_SLO_CLASS)
         name = request.slo_class or slo.default_class
         if name not in slo.classes:
             known = ", ".join(sorted(slo.classes))
             raise ValueError(f"slo_class: unknown class {name!r}; known classes: {known}")
-        return slo.classes[name].resolve_ms(self.engine.info().baseline_tpot_ms), name
+        cls = slo.classes[name]
+        tpot = cls.resolve_ms(self.engine.info().baseline_tpot_ms)
+        return _SLO(tpot, ttft if ttft is not None else cls.ttft_ms, name)
 
     def _sampling(self, sp: vpb.SamplingParams, num_prompt: int) -> SamplingParams:
         max_tokens = sp.max_tokens
@@ -224,15 +241,23 @@ def _render_chat(tokenizer: Any, chat: vpb.ChatMessages) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _chunk(delta: TokenDelta, tpot_slo_ms: float, slo_class: str, t0: float) -> vpb.GenerateChunk:
+@dataclass(frozen=True)
+class _SLO:
+    tpot_ms: float
+    ttft_ms: float | None
+    name: str  # the metrics class ("custom" for an explicit tpot_slo_ms)
+
+
+def _chunk(delta: TokenDelta, slo: _SLO, t0: float) -> vpb.GenerateChunk:
     out = vpb.GenerateChunk(
         token_ids=delta.token_ids,
         text=delta.text,
         finish_reason=finish_reason_to_pb(delta.finish_reason),
         num_prompt_tokens=delta.num_prompt_tokens,
         num_generated=delta.num_generated,
-        tpot_slo_ms=tpot_slo_ms,
-        slo_class=slo_class,
+        tpot_slo_ms=slo.tpot_ms,
+        ttft_slo_ms=slo.ttft_ms or 0.0,
+        slo_class=slo.name,
         best_effort=delta.best_effort,
         error=delta.error or "",
         server_elapsed_ms=_ms_since(t0),

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from adaserve.rpc.v1 import common_pb2 as adaserve_dot_rpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61\x64\x61serve/rpc/v1/drafter.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1c\x61\x64\x61serve/rpc/v1/common.proto\"@\n\x0b\x44raftUpdate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x01(\x0c\x12\x11\n\ttotal_len\x18\x03 \x01(\x03\"r\n\x10SpeculateRequest\x12-\n\x07updates\x18\x01 \x03(\x0b\x32\x1c.adaserve.rpc.v1.DraftUpdate\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x11\n\tstop_prob\x18\x04 \x01(\x01\"\x88\x01\n\x11SpeculateResponse\x12\x32\n\x05trees\x18\x01 \x01(\x0b\x32#.adaserve.rpc.v1.CandidateTreeBatch\x12\x10\n\x08lost_ids\x18\x02 \x03(\t\x12-\n\x06timing\x18\x03 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ServerTiming\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"8\n\rStatsResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\x03\x12\x10\n\x08kv_usage\x18\x02 \x01(\x01\x32\xf3\x01\n\x07\x44rafter\x12R\n\tSpeculate\x12!.adaserve.rpc.v1.SpeculateRequest\x1a\".adaserve.rpc.v1.SpeculateResponse\x12L\n\x07Release\x12\x1f.adaserve.rpc.v1.ReleaseRequest\x1a .adaserve.rpc.v1.ReleaseResponse\x12\x46\n\x05Stats\x12\x1d.adaserve.rpc.v1.StatsRequest\x1a\x1e.adaserve.rpc.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61\x64\x61serve/rpc/v1/drafter.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1c\x61\x64\x61serve/rpc/v1/common.proto\"P\n\x0b\x44raftUpdate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x01(\x0c\x12\x11\n\ttotal_len\x18\x03 \x01(\x03\x12\x0e\n\x06ingest\x18\x04 \x01(\x08\"r\n\x10SpeculateRequest\x12-\n\x07updates\x18\x01 \x03(\x0b\x32\x1c.adaserve.rpc.v1.DraftUpdate\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x11\n\tstop_prob\x18\x04 \x01(\x01\"\x88\x01\n\x11SpeculateResponse\x12\x32\n\x05trees\x18\x01 \x01(\x0b\x32#.adaserve.rpc.v1.CandidateTreeBatch\x12\x10\n\x08lost_ids\x18\x02 \x03(\t\x12-\n\x06timing\x18\x03 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ServerTiming\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"8\n\rStatsResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\x03\x12\x10\n\x08kv_usage\x18\x02 \x01(\x01\x32\xf3\x01\n\x07\x44rafter\x12R\n\tSpeculate\x12!.adaserve.rpc.v1.SpeculateRequest\x1a\".adaserve.rpc.v1.SpeculateResponse\x12L\n\x07Release\x12\x1f.adaserve.rpc.v1.ReleaseRequest\x1a .adaserve.rpc.v1.ReleaseResponse\x12\x46\n\x05Stats\x12\x1d.adaserve.rpc.v1.StatsRequest\x1a\x1e.adaserve.rpc.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaserve.rpc.v1.drafter_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTUPDATE']._serialized_start=80
-  _globals['_DRAFTUPDATE']._serialized_end=144
-  _globals['_SPECULATEREQUEST']._serialized_start=146
-  _globals['_SPECULATEREQUEST']._serialized_end=260
-  _globals['_SPECULATERESPONSE']._serialized_start=263
-  _globals['_SPECULATERESPONSE']._serialized_end=399
-  _globals['_RELEASEREQUEST']._serialized_start=401
-  _globals['_RELEASEREQUEST']._serialized_end=430
-  _globals['_RELEASERESPONSE']._serialized_start=432
-  _globals['_RELEASERESPONSE']._serialized_end=449
-  _globals['_STATSREQUEST']._serialized_start=451
-  _globals['_STATSREQUEST']._serialized_end=465
-  _globals['_STATSRESPONSE']._serialized_start=467
-  _globals['_STATSRESPONSE']._serialized_end=523
-  _globals['_DRAFTER']._serialized_start=526
-  _globals['_DRAFTER']._serialized_end=769
+  _globals['_DRAFTUPDATE']._serialized_end=160
+  _globals['_SPECULATEREQUEST']._serialized_start=162
+  _globals['_SPECULATEREQUEST']._serialized_end=276
+  _globals['_SPECULATERESPONSE']._serialized_start=279
+  _globals['_SPECULATERESPONSE']._serialized_end=415
+  _globals['_RELEASEREQUEST']._serialized_start=417
+  _globals['_RELEASEREQUEST']._serialized_end=446
+  _globals['_RELEASERESPONSE']._serialized_start=448
+  _globals['_RELEASERESPONSE']._serialized_end=465
+  _globals['_STATSREQUEST']._serialized_start=467
+  _globals['_STATSREQUEST']._serialized_end=481
+  _globals['_STATSRESPONSE']._serialized_start=483
+  _globals['_STATSRESPONSE']._serialized_end=539
+  _globals['_DRAFTER']._serialized_start=542
+  _globals['_DRAFTER']._serialized_end=785
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftUpdate(_message.Message):
-    __slots__ = ("id", "new_tokens", "total_len")
+    __slots__ = ("id", "new_tokens", "total_len", "ingest")
     ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LEN_FIELD_NUMBER: _ClassVar[int]
+    INGEST_FIELD_NUMBER: _ClassVar[int]
     id: str
     new_tokens: bytes
     total_len: int
-    def __init__(self, id: _Optional[str] = ..., new_tokens: _Optional[bytes] = ..., total_len: _Optional[int] = ...) -> None: ...
+    ingest: bool
+    def __init__(self, id: _Optional[str] = ..., new_tokens: _Optional[bytes] = ..., total_len: _Optional[int] = ..., ingest: _Optional[bool] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("updates", "depth", "width", "stop_prob")

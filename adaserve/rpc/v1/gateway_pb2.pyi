@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestOptions(_message.Message):
-    __slots__ = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "tpot_slo_ms", "slo_class", "priority", "request_id", "timeout_s")
+    __slots__ = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "tpot_slo_ms", "slo_class", "priority", "request_id", "timeout_s", "ttft_slo_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class RequestOptions(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_tokens: int
     temperature: float
@@ -37,7 +38,8 @@ class RequestOptions(_message.Message):
     priority: int
     request_id: str
     timeout_s: float
-    def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    ttft_slo_ms: float
+    def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("options", "text", "token_ids")
@@ -68,7 +70,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class CompletionChunk(_message.Message):
-    __slots__ = ("id", "model", "token_ids", "text", "finish_reason", "usage", "best_effort", "tpot_slo_ms", "slo_floor_ms", "best_effort_reason")
+    __slots__ = ("id", "model", "token_ids", "text", "finish_reason", "usage", "best_effort", "tpot_slo_ms", "slo_floor_ms", "best_effort_reason", "ttft_slo_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class CompletionChunk(_message.Message):
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
     BEST_EFFORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -89,7 +92,8 @@ class CompletionChunk(_message.Message):
     tpot_slo_ms: float
     slo_floor_ms: float
     best_effort_reason: str
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_verifier_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., best_effort: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_floor_ms: _Optional[float] = ..., best_effort_reason: _Optional[str] = ...) -> None: ...
+    ttft_slo_ms: float
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_verifier_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., best_effort: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_floor_ms: _Optional[float] = ..., best_effort_reason: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

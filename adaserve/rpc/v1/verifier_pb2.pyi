@@ -67,7 +67,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "tpot_slo_ms", "slo_class", "priority", "timeout_s", "client_request_id")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "tpot_slo_ms", "slo_class", "priority", "timeout_s", "client_request_id", "ttft_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatMessages
@@ -88,10 +89,11 @@ class GenerateRequest(_message.Message):
     priority: int
     timeout_s: float
     client_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    ttft_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_request_id: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated", "ttft_ms", "tpot_slo_ms", "slo_class", "best_effort", "error", "server_elapsed_ms", "slo_floor_ms", "best_effort_reason")
+    __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated", "ttft_ms", "tpot_slo_ms", "slo_class", "best_effort", "error", "server_elapsed_ms", "slo_floor_ms", "best_effort_reason", "ttft_slo_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,7 @@ class GenerateChunk(_message.Message):
     SERVER_ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
     BEST_EFFORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
@@ -118,7 +121,8 @@ class GenerateChunk(_message.Message):
     server_elapsed_ms: float
     slo_floor_ms: float
     best_effort_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., best_effort: _Optional[bool] = ..., error: _Optional[str] = ..., server_elapsed_ms: _Optional[float] = ..., slo_floor_ms: _Optional[float] = ..., best_effort_reason: _Optional[str] = ...) -> None: ...
+    ttft_slo_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., best_effort: _Optional[bool] = ..., error: _Optional[str] = ..., server_elapsed_ms: _Optional[float] = ..., slo_floor_ms: _Optional[float] = ..., best_effort_reason: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -135,8 +139,15 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids", "slo_floor_ms")
+    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids", "slo_floor_ms", "slo_class_ttft_ms")
     class SloClassesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class SloClassTtftMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +164,7 @@ class InfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SLO_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_CLASS_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     baseline_tpot_ms: float
@@ -163,7 +175,8 @@ class InfoResponse(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     slo_floor_ms: float
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., slo_floor_ms: _Optional[float] = ...) -> None: ...
+    slo_class_ttft_ms: _containers.ScalarMap[str, float]
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., slo_floor_ms: _Optional[float] = ..., slo_class_ttft_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

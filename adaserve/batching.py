@@ -1,0 +1,208 @@
+"""Batch formation: what one iteration's forward carries (torch-free, no clock reads).
+
+Every iteration runs one target forward holding the selected trees of the decoding
+requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
+`BatchForward`, paper 004; vLLM V1 and SGLang mix prefill and decode the same way).
+`form_batch` decides the split, in SLO order:
+
+1. **SLO trees.** Every decoding request gets its root, and a request behind schedule
+   the drafted nodes it needs to get back on its TPOT SLO: A(r) > 1 tokens accepted
+   this iteration take the shortest chain whose expected accepted tokens reach A_cap(r)
+   (`adaserve/slo.py` has A(r); selection spends these first).
+2. **Prefill the TTFT deadlines need.** Prompts are served earliest TTFT deadline first;
+   the tokens this iteration must prefill so that, at this pace, every prompt meets its
+   deadline come next, taken from the throughput trees if need be.
+3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
+4. **The rest of the time to prefill.** An iteration may run longer than its decode
+   work by what the decoding requests can afford: never past the tightest TPOT SLO
+   times the tokens a request expects from its tree, and never more than `stretch`
+   times the decode work alone (a prompt that arrives slows the running streams by at
+   most that factor, whatever their slack).
+
+The token counts come from the forward's latency model (`adaserve/latency.py`), not a
+fixed chunk size. While prompts wait, each iteration prefills at least
+`min_prefill_tokens`, so a steady stream of tight requests slows prefill down but never
+stops it; earliest-deadline order then serves every prompt, since deadlines are finite
+(a request without a TTFT SLO is ordered by a late default deadline).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from adaserve.slo import required_accepted
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A request past its prefill: it roots a tree this iteration."""
+
+    id: str
+    tpot_slo_ms: float
+    elapsed_ms: float  # l_r: since its first token
+    decoded: int  # o_r: tokens decoded since the first
+
+
+@dataclass(frozen=True)
+class Prefilling:
+    """A request whose prompt is not all in the target's KV yet."""
+
+    id: str
+    remaining: int  # prompt tokens still to prefill, > 0
+    deadline_ms: float  # its TTFT deadline on the engine clock; the prefill order
+    priority: int = 0  # vLLM-style: lower first among equal deadlines
+    arrival_ms: float = 0.0
+    done: int = 0  # prompt tokens already prefilled: where its next chunk starts
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    tree_budget: int  # B: the most tree tokens selection may verify (the verify knee)
+    max_batch_tokens: int  # the most tokens one forward carries, trees and chunks
+    min_prefill_tokens: int  # prefill progress per iteration while prompts wait
+    stretch: float = 1.5  # the most an iteration may outlast its decode work, as a factor
+    depth: int = 0  # planned draft depth this iteration (0: no drafting)
+    width: int = 1
+    acceptance: float = 0.75  # per drafted token: expected tokens per tree
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    chunks: tuple[tuple[str, int], ...]  # (request id, prompt tokens) in deadline order
+    tree_budget: int  # tokens selection may spend on trees (>= one root per request)
+    slo_tree_tokens: int  # tree tokens reserved for the decoding requests' SLOs
+    time_limit_ms: float  # the iteration time planned (inf: nothing decoding)
+    prefill_context: float = 0.0  # chunk_context of the chunks
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+# ms of one forward over (tree tokens, prefill tokens, prefill context): the latency
+# model's prediction. The context is what the chunks' attention adds for starting deep
+# in their prompts (`chunk_context`).
+ForwardCost = Callable[[int, int, float], float]
+
+
+def form_batch(
+    decoding: Sequence[Decoding],
+    prefilling: Sequence[Prefilling],
+    limits: BatchLimits,
+    forward_ms: ForwardCost,
+    overhead_ms: float = 0.0,
+    now_ms: float = 0.0,
+    decode_ms: float | None = None,
+) -> BatchPlan:
+    """The iteration's split of tokens. `overhead_ms`: the iteration's time outside the
+    forward (drafting); `now_ms`: the engine clock, on which deadlines are given;
+    `decode_ms`: how long a decode-only iteration of this batch takes, as measured
+    (None: the forward's prediction plus the overhead)."""
+    n = len(decoding)
+    slo_tokens = n + int(slo_draft_tokens(decoding, limits).sum())
+    # Trees as large as the plan lets them be, up to the knee: a decode-only iteration.
+    trees = n * (1 + limits.depth * limits.width) if limits.depth > 0 else n
+    trees = max(min(trees, limits.tree_budget), slo_tokens)
+    remaining = sum(p.remaining for p in prefilling)
+    if remaining == 0:
+        # Selection keeps the whole knee budget: its own SLO and marginal-value rules
+        # decide what to verify, exactly as without prefill.
+        return BatchPlan((), max(limits.tree_budget, n), slo_tokens, math.inf)
+    cap = limits.max_batch_tokens
+    order = sorted(prefilling, key=lambda p: (p.deadline_ms, p.priority, p.arrival_ms, p.id))
+    if n == 0:
+        chunks = _chunks(order, min(cap, remaining))
+        return BatchPlan(chunks, n, 0, math.inf, chunk_context(chunks, order))
+
+    predicted = forward_ms(trees, 0, 0.0)
+    decode_ms = max(decode_ms or 0.0, predicted + overhead_ms)
+    overhead_ms = decode_ms - predicted  # all of the iteration outside the forward
+
+    def with_prefill(t: int, p: int) -> float:
+        return forward_ms(t, p, chunk_context(_chunks(order, p), order))
+
+    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
+    slo_ms = min(d.tpot_slo_ms for d in decoding) * expected
+    limit_ms = max(decode_ms, min(limits.stretch * decode_ms, slo_ms))
+    budget_ms = limit_ms - overhead_ms
+    prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
+    need = _ttft_need(order, limit_ms, now_ms)
+    if need > prefill and trees > slo_tokens:
+        # Deadlines at risk: the throughput trees give way, the SLO trees stay.
+        fit = _most(lambda t: with_prefill(t, need), budget_ms, trees)
+        trees = max(slo_tokens, min(trees, fit))
+        prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
+    prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
+    chunks = _chunks(order, prefill)
+    return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))
+
+
+def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:
+    """Drafted nodes each request needs this iteration to stay on its TPOT SLO: the
+    shortest chain whose expected accepted tokens, sum(alpha^j, j = 0..k), reach
+    A_cap(r) = min(A(r), d + 1), with A(r) at an iteration as long as the tightest SLO.
+    int64 [n]; zeros without drafting."""
+    n = len(decoding)
+    if n == 0 or limits.depth <= 0:
+        return np.zeros(n, dtype=np.int64)
+    t = min(d.tpot_slo_ms for d in decoding)
+    a = required_accepted(
+        np.array([d.elapsed_ms for d in decoding]),
+        np.array([d.decoded for d in decoding], dtype=np.float64),
+        np.array([d.tpot_slo_ms for d in decoding]),
+        t,
+    )
+    a_cap = np.minimum(a, limits.depth + 1)
+    # expected[k] = tokens a k-deep chain yields on average (the root's bonus counts 1)
+    expected = np.cumsum(limits.acceptance ** np.arange(limits.depth + 1))
+    k = np.searchsorted(expected, a_cap - 1e-9)  # first k with expected[k] >= a_cap
+    return np.minimum(k, limits.depth).astype(np.int64)
+
+
+def _ttft_need(order: Sequence[Prefilling], iteration_ms: float, now_ms: float) -> int:
+    """Prompt tokens this iteration must prefill for every prompt to reach its deadline
+    at this pace, prompts served in `order`: the largest, over the order's prefixes, of
+    the prefix's remaining tokens spread over the iterations left before its deadline
+    (all of them once the deadline has passed)."""
+    need, total = 0.0, 0
+    for p in order:
+        total += p.remaining
+        iterations = (p.deadline_ms - now_ms) / iteration_ms
+        need = max(need, total / iterations if iterations > 1 else total)
+    return math.ceil(need)
+
+
+def chunk_context(chunks: Sequence[tuple[str, int]], prompts: Sequence[Prefilling]) -> float:
+    """Thousands of (query, earlier prompt token) pairs the chunks' attention adds over
+    the same chunks at their prompts' start: a chunk of k tokens starting at s attends
+    k * s more keys (the latency curve, measured at a sequence's start, holds the rest)."""
+    start = {p.id: p.done for p in prompts}
+    return sum(k * start[rid] for rid, k in chunks) / 1000.0
+
+
+def _most(cost: Callable[[int], float], limit_ms: float, cap: int) -> int:
+    """The largest x in [0, cap] with cost(x) <= limit_ms (cost monotone), 0 if none."""
+    lo, hi = 0, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= limit_ms:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _chunks(order: Sequence[Prefilling], tokens: int) -> tuple[tuple[str, int], ...]:
+    """`tokens` prompt tokens handed out in `order`, each prompt up to what it has left."""
+    out = []
+    for p in order:
+        if tokens <= 0:
+            break
+        take = min(p.remaining, tokens)
+        out.append((p.id, take))
+        tokens -= take
+    return tuple(out)

@@ -1,0 +1,172 @@
+"""Wrappers that keep the engine serving when the drafter or the scheduler fails.
+
+`FallbackDrafter` and `FallbackScheduler` implement the same protocols as what they
+wrap, so the engine's step calls them like any drafter or scheduler and never branches
+on failures. A failing drafter degrades to plain decoding (root-only trees) and is
+retried after a pause; a failing scheduler is replaced by in-process selection until a
+probe finds it back. Answers from another process are checked (adaserve/checks.py)
+and a bad one counts as a failure; neither ever fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from adaserve import metrics
+from adaserve.checks import check_selection, check_trees
+from adaserve.scheduler import LocalScheduler, Scheduler
+from adaserve.selection import RequestProgress, Selection, SelectionParams
+from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
+from adaserve.tree import CandidateTree, TreeBatch
+
+log = logging.getLogger("adaserve.engine")
+
+RETRY_S = 1.0  # a failed drafter is not asked again sooner: no timeout every iteration
+
+
+class FallbackDrafter:
+    """A drafter that never raises: failures give root-only trees (plain decoding).
+
+    `history(id)` is the request's committed tokens: after `DrafterStateLost` (a
+    restarted drafter) the lost requests are re-sent from it in full. `ok` says
+    whether the last `speculate` reached the drafter (the engine then knows the drafter
+    holds the tokens it sent). Releases are queued and sent by `flush`, once per
+    iteration, and never while the drafter is down (a hung drafter would otherwise cost
+    a timeout per finishing request)."""
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        history: Callable[[str], Sequence[int]],
+        vocab_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = drafter
+        self.history = history
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.healthy = True
+        self.ok = False
+        self._retry_at = 0.0
+        self._releases: list[str] = []
+        # Our own beam search's trees are not re-validated on the hot path (select()
+        # checks the structure of whatever it is given anyway); another process's are.
+        self._trusted = isinstance(drafter, BeamDrafter)
+
+    def speculate(
+        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
+    ) -> list[CandidateTree]:
+        roots = [CandidateTree.root_only(int(self.history(u.id)[u.total_len - 1])) for u in updates]
+        self.ok = False
+        if not updates:
+            return roots
+        if not self.healthy and self.clock() < self._retry_at:
+            metrics.fallbacks_total.labels("drafter").inc()
+            return roots
+        try:
+            try:
+                trees = self.inner.speculate(updates, depth, width, stop_prob)
+            except DrafterStateLost as lost:
+                # Re-sync those requests from their full history; the rest are unchanged.
+                metrics.drafter_resyncs_total.inc(len(lost.ids))
+                ids = set(lost.ids)
+                updates = [
+                    DraftUpdate(
+                        u.id,
+                        np.asarray(self.history(u.id)[: u.total_len], np.int32),
+                        u.total_len,
+                        u.ingest,
+                    )
+                    if u.id in ids
+                    else u
+                    for u in updates
+                ]
+                trees = self.inner.speculate(updates, depth, width, stop_prob)
+            if not self._trusted:
+                check_trees(trees, [int(t.tokens[0]) for t in roots], self.vocab_size)
+        except Exception as exc:
+            self._failed(exc)
+            return roots
+        self.ok = True
+        if not self.healthy:
+            log.info("drafter recovered; speculation resumes")
+            self.healthy = True
+        return trees
+
+    def release(self, ids: list[str]) -> None:
+        self._releases.extend(ids)
+
+    def flush(self) -> None:
+        if not self._releases or (not self.healthy and self.clock() < self._retry_at):
+            return
+        ids, self._releases = self._releases, []
+        try:
+            self.inner.release(ids)
+        except Exception as exc:  # a restarted drafter holds none of it; never fail on this
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        metrics.fallbacks_total.labels("drafter").inc()
+        if self.healthy:
+            log.warning("drafter unavailable (%s); plain decoding until it returns", exc)
+        self.healthy = False
+        self._retry_at = self.clock() + RETRY_S
+
+
+class FallbackScheduler:
+    """A scheduler that never raises: failures select in-process, and a background
+    probe (`plan(1)` once a second) brings the remote one back."""
+
+    def __init__(self, scheduler: Scheduler, local: LocalScheduler) -> None:
+        self.inner = scheduler
+        self.local = local
+        self.healthy = True
+        self._remote = not isinstance(scheduler, LocalScheduler)
+        self._stopped = threading.Event()
+
+    def plan(self, n: int) -> tuple[int, int]:
+        return self.local.plan(n)
+
+    def select(
+        self,
+        requests: Sequence[RequestProgress],
+        trees: Sequence[CandidateTree] | TreeBatch,
+        params: SelectionParams,
+    ) -> Selection:
+        if self.healthy:
+            try:
+                selection = self.inner.select(requests, trees, params)
+                # Answers from another process are checked; our own selection is not
+                # re-validated on the hot path (it is tested against a reference).
+                if self._remote and not selection.invalid:  # invalid: no nodes to check
+                    given = trees.trees() if isinstance(trees, TreeBatch) else trees
+                    check_selection(selection.selected, given)
+                return selection
+            except Exception as exc:
+                self._failed(exc)
+        return self.local.select(requests, trees, params)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _failed(self, exc: Exception) -> None:
+        metrics.fallbacks_total.labels("scheduler").inc()
+        if self.healthy:
+            log.warning("scheduler unavailable (%s); selecting in-process", exc)
+            self.healthy = False
+            threading.Timer(1.0, self._probe).start()
+
+    def _probe(self) -> None:
+        try:
+            self.inner.plan(1)
+        except Exception:
+            if not self._stopped.is_set():
+                threading.Timer(1.0, self._probe).start()
+            return
+        log.info("scheduler recovered")
+        self.healthy = True

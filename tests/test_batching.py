@@ -1,0 +1,222 @@
+"""Batch formation alone (adaserve/batching.py, no torch): the token budget is never
+exceeded, every prompt is eventually prefilled, prompts go in TTFT-deadline order, a
+steady stream of tight requests never starves a relaxed prompt, and the iteration never
+outlasts what the running requests' TPOT SLOs (and the stretch cap) allow."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaserve.batching import (
+    BatchLimits,
+    Decoding,
+    Prefilling,
+    form_batch,
+    slo_draft_tokens,
+)
+from adaserve.latency import Curve
+
+# A GPU-like forward: flat to the knee (64 tokens), linear after.
+GPU = Curve.knee(20.0, 64)  # (tree, prefill, context) -> ms
+LIMITS = BatchLimits(tree_budget=64, max_batch_tokens=2048, min_prefill_tokens=16)
+
+
+def dec(i: int, slo: float = 50.0, elapsed: float = 0.0, decoded: int = 0) -> Decoding:
+    return Decoding(f"d{i}", slo, elapsed, decoded)
+
+
+def pre(i: int, remaining: int, deadline: float = 1e4, **kw) -> Prefilling:
+    return Prefilling(f"p{i}", remaining, deadline, **kw)
+
+
+def test_the_module_imports_no_torch() -> None:
+    tree = ast.parse(Path("adaserve/batching.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m.split(".")[0] == "torch" for m in names)
+
+
+def test_decode_only_keeps_the_whole_knee_budget() -> None:
+    plan = form_batch([dec(i) for i in range(3)], [], LIMITS, GPU)
+    assert plan.chunks == () and plan.tree_budget == 64
+    many = form_batch([dec(i) for i in range(100)], [], LIMITS, GPU)
+    assert many.tree_budget == 100  # every root fits, whatever the budget
+
+
+def test_an_idle_server_prefills_a_full_batch_in_deadline_order() -> None:
+    prompts = [pre(0, 900, deadline=500.0), pre(1, 1500, deadline=100.0), pre(2, 50, 300.0)]
+    plan = form_batch([], prompts, LIMITS, GPU)
+    assert plan.chunks == (("p1", 1500), ("p2", 50), ("p0", 498))
+    assert plan.prefill_tokens == LIMITS.max_batch_tokens
+
+
+def test_ties_on_deadline_go_by_priority_then_arrival() -> None:
+    prompts = [
+        pre(0, 10, deadline=100.0, priority=1, arrival_ms=0.0),
+        pre(1, 10, deadline=100.0, priority=0, arrival_ms=5.0),
+        pre(2, 10, deadline=100.0, priority=0, arrival_ms=1.0),
+    ]
+    plan = form_batch([], prompts, LIMITS, GPU)
+    assert [rid for rid, _ in plan.chunks] == ["p2", "p1", "p0"]
+
+
+def test_prefill_rides_in_the_time_the_decoders_allow() -> None:
+    """Two relaxed decoders: the iteration may stretch to `stretch` x their decode work;
+    the chunk is as large as fits in that time on the latency model."""
+    decoders = [dec(0, slo=1000.0), dec(1, slo=1000.0)]
+    plan = form_batch(decoders, [pre(0, 5000)], LIMITS, GPU)
+    decode_ms = GPU(2, 0)
+    assert plan.time_limit_ms == pytest.approx(LIMITS.stretch * decode_ms)
+    assert GPU(2, plan.prefill_tokens) <= plan.time_limit_ms
+    assert GPU(2, plan.prefill_tokens + 1) > plan.time_limit_ms
+
+
+def test_the_tightest_tpot_slo_caps_the_iteration() -> None:
+    """An SLO of 1.2x the decode step leaves 0.2x of it to prefill, not the stretch's;
+    with drafting the cap is the SLO times the tokens a tree is expected to yield."""
+    decoders = [dec(0, slo=1000.0), dec(1, slo=1.2 * GPU(2, 0))]
+    plan = form_batch(decoders, [pre(0, 5000)], LIMITS, GPU)
+    assert plan.time_limit_ms == pytest.approx(1.2 * GPU(2, 0))
+    limits = BatchLimits(64, 2048, 16, depth=3, width=1, acceptance=0.5)
+    plan = form_batch(decoders, [pre(0, 5000)], limits, GPU)
+    expected = 1 + 0.5 + 0.25 + 0.125
+    decode_ms = GPU(8, 0)  # two chains of 1 + 3 nodes
+    want = min(limits.stretch * decode_ms, 1.2 * GPU(2, 0) * expected)
+    assert plan.time_limit_ms == pytest.approx(want)
+
+
+def test_min_prefill_is_guaranteed_however_tight_the_slos() -> None:
+    linear = Curve((1.0, 2.0), (10.0, 20.0))  # every token costs: no free room below a knee
+    decoders = [dec(0, slo=1.0)]  # far below any step: nothing fits in its time
+    plan = form_batch(decoders, [pre(0, 5000), pre(1, 8)], LIMITS, linear)
+    assert plan.prefill_tokens == LIMITS.min_prefill_tokens
+    # Below a knee, tokens are free: a flat curve fills the forward up to it.
+    plan = form_batch(decoders, [pre(0, 5000)], LIMITS, GPU)
+    assert plan.prefill_tokens == 63 and plan.time_limit_ms == GPU(1, 0)
+
+
+def test_requests_behind_schedule_are_reserved_tree_tokens() -> None:
+    limits = BatchLimits(64, 2048, 16, depth=4, width=2, acceptance=0.8)
+    on_time = dec(0, slo=50.0, elapsed=1000.0, decoded=40)  # 25 ms/token so far
+    behind = dec(1, slo=50.0, elapsed=1000.0, decoded=18)  # needs ~3 tokens now
+    k = slo_draft_tokens([on_time, behind], limits)
+    assert k[0] == 0 and 1 <= k[1] <= 4
+    # A(r) = (1000 + 50) / 50 - 18 = 3: the chain of k nodes is expected to give >= 3
+    assert sum(0.8**j for j in range(k[1] + 1)) >= 3 - 1e-9
+    plan = form_batch([on_time, behind], [pre(0, 5000)], limits, GPU)
+    assert plan.slo_tree_tokens == 2 + int(k.sum())
+    assert plan.tree_budget >= plan.slo_tree_tokens
+
+
+def test_urgent_deadlines_take_the_throughput_trees_not_the_slo_trees() -> None:
+    limits = BatchLimits(64, 2048, 16, stretch=1.5, depth=4, width=2, acceptance=0.8)
+    decoders = [dec(i, slo=1000.0) for i in range(6)]
+    relaxed = form_batch(decoders, [pre(0, 4000, deadline=1e7)], limits, GPU)
+    urgent = form_batch(decoders, [pre(0, 4000, deadline=10.0)], limits, GPU)
+    assert urgent.prefill_tokens > relaxed.prefill_tokens
+    assert urgent.tree_budget < relaxed.tree_budget
+    assert urgent.tree_budget >= urgent.slo_tree_tokens == 6
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    slos=st.lists(st.floats(5.0, 500.0), min_size=0, max_size=12),
+    prompts=st.lists(
+        st.tuples(st.integers(1, 3000), st.floats(-100.0, 20_000.0)), min_size=1, max_size=8
+    ),
+    depth=st.integers(0, 5),
+    max_batch=st.integers(64, 4096),
+)
+def test_budget_never_exceeded_and_prefill_always_progresses(slos, prompts, depth, max_batch):
+    limits = BatchLimits(32, max_batch, 16, depth=depth, width=2, acceptance=0.7)
+    decoding = [dec(i, slo=s, elapsed=100.0 * i, decoded=3 * i) for i, s in enumerate(slos)]
+    prefilling = [pre(i, r, deadline=d) for i, (r, d) in enumerate(prompts)]
+    plan = form_batch(decoding, prefilling, limits, GPU, overhead_ms=3.0, now_ms=0.0)
+    remaining = {p.id: p.remaining for p in prefilling}
+    assert plan.prefill_tokens >= min(16, sum(remaining.values()))  # progress every time
+    assert all(0 < n <= remaining[rid] for rid, n in plan.chunks)
+    assert len({rid for rid, _ in plan.chunks}) == len(plan.chunks)
+    # chunks follow the deadline order, and only the last may be partial
+    order = sorted(prefilling, key=lambda p: (p.deadline_ms, p.priority, p.arrival_ms, p.id))
+    ids = [rid for rid, _ in plan.chunks]
+    assert ids == [p.id for p in order[: len(ids)]]
+    assert all(n == remaining[rid] for rid, n in plan.chunks[:-1])
+    assert plan.tree_budget >= len(decoding)
+    if decoding:
+        assert plan.tree_budget + plan.prefill_tokens <= max(
+            max_batch, plan.slo_tree_tokens + limits.min_prefill_tokens
+        )
+    else:
+        assert plan.prefill_tokens <= max_batch
+
+
+def simulate_planner(
+    tight_every: int, relaxed_prompt: int, steps: int, limits: BatchLimits
+) -> tuple[int | None, list[int]]:
+    """A toy engine around form_batch: a tight request arrives every `tight_every`
+    iterations with a 200-token prompt, decodes 30 tokens, leaves; one relaxed request
+    with a long prompt and a late deadline arrives first. Returns the iteration the
+    relaxed prompt finished prefilling (None: never) and each tight prompt's TTFT in
+    iterations."""
+    now, t_iter = 0.0, 25.0
+    prefill: dict[str, list[float]] = {"relaxed": [relaxed_prompt, 60_000.0, 0.0]}
+    decoding: dict[str, int] = {}
+    started: dict[str, float] = {}
+    done_at, ttfts = None, []
+    for step in range(steps):
+        if step % tight_every == 0:
+            rid = f"t{step}"
+            prefill[rid] = [200, now + 250.0, now]
+            started[rid] = step
+        plan = form_batch(
+            [Decoding(r, 30.0, 0.0, 0) for r in decoding],
+            [Prefilling(r, int(p[0]), p[1], 0, p[2]) for r, p in prefill.items()],
+            limits,
+            GPU,
+            now_ms=now,
+        )
+        for rid, n in plan.chunks:
+            prefill[rid][0] -= n
+            if prefill[rid][0] == 0:
+                del prefill[rid]
+                if rid == "relaxed":
+                    done_at = step
+                else:
+                    decoding[rid] = 30
+                    ttfts.append(step - started[rid])
+        for rid in list(decoding):
+            decoding[rid] -= 1
+            if decoding[rid] == 0:
+                del decoding[rid]
+        now += t_iter
+    return done_at, ttfts
+
+
+def test_a_steady_stream_of_tight_requests_does_not_starve_a_relaxed_prompt() -> None:
+    limits = BatchLimits(64, 512, 16, depth=2, width=1, acceptance=0.7)
+    done_at, ttfts = simulate_planner(
+        tight_every=3, relaxed_prompt=20_000, steps=4000, limits=limits
+    )
+    assert done_at is not None  # the relaxed prompt got through
+    assert ttfts and np.median(ttfts) <= 10  # and the tight ones were served meanwhile
+
+
+def test_a_chunk_deep_in_its_prompt_is_smaller_for_the_same_time() -> None:
+    """Attention over the prompt's earlier tokens costs what the curve's context_ms says
+    per thousand (query, key) pairs: deeper chunks get fewer tokens in the same time."""
+    curve = Curve((1.0, 64.0, 512.0), (10.0, 20.0, 120.0), context_ms=0.5)
+    decoders = [dec(0, slo=1000.0), dec(1, slo=1000.0)]
+    limits = BatchLimits(tree_budget=64, max_batch_tokens=2048, min_prefill_tokens=1)
+    start = form_batch(decoders, [pre(0, 4000)], limits, curve)
+    deep = form_batch(decoders, [pre(0, 4000, done=1500)], limits, curve)
+    assert 0 < deep.prefill_tokens < start.prefill_tokens
+    assert deep.prefill_context == pytest.approx(deep.prefill_tokens * 1500 / 1000)
+    p = deep.prefill_tokens
+    assert curve(2, p, deep.prefill_context) <= deep.time_limit_ms
+    assert curve(2, p + 1, (p + 1) * 1.5) > deep.time_limit_ms
