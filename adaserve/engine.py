@@ -245,6 +245,7 @@ class Engine:
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
         self._optimal_invalid_logged = False
+        self.preemptions = 0  # requests preempted so far (the metric counts them too)
         # (TTFT deadline s, prompt tokens left) of every prompt waiting for or in prefill,
         # republished by the loop thread each step: submit reads it to judge a TTFT SLO.
         self._prefill_queue: tuple[tuple[float, int], ...] = ()
@@ -623,6 +624,7 @@ class Engine:
         r.prefilled = 0
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
         r.preemptions += 1
+        self.preemptions += 1
         del self._running[r.req.id]
         self._waiting.append(r)
         metrics.preemptions_total.inc()
