@@ -108,7 +108,6 @@ class _Request:
     # last, which roots the next tree again (recompute, not swap).
     prefill_target: int = 0
     drafter_len: int = 0  # tokens the drafter holds as committed
-    preemptions: int = 0
     finished: bool = False
 
     @property
@@ -623,7 +622,6 @@ class Engine:
         r.drafter_len = 0
         r.prefilled = 0
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
-        r.preemptions += 1
         self.preemptions += 1
         del self._running[r.req.id]
         self._waiting.append(r)
