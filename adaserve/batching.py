@@ -14,10 +14,10 @@ requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
    deadline come next, taken from the throughput trees if need be.
 3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
 4. **The rest of the time to prefill.** An iteration may run longer than its decode
-   work by what the decoding requests can afford: never past the tightest TPOT SLO
-   times the tokens a request expects from its tree, and never more than `stretch`
-   times the decode work alone (a prompt that arrives slows the running streams by at
-   most that factor, whatever their slack).
+   work by at most `stretch` times that work (a prompt that arrives slows the running
+   streams by at most that factor, whatever their slack), and never past the tightest
+   TPOT SLO times the tokens a request expects from its tree. When the TTFT deadlines
+   need more than the stretch leaves, the iteration may run up to that SLO limit.
 
 The token counts come from the forward's latency model (`adaserve/latency.py`), not a
 fixed chunk size. While prompts wait, each iteration prefills at least
@@ -126,16 +126,24 @@ def form_batch(
         return forward_ms(t, p, chunk_context(_chunks(order, p), order))
 
     expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
-    slo_ms = min(d.tpot_slo_ms for d in decoding) * expected
-    limit_ms = max(decode_ms, min(limits.stretch * decode_ms, slo_ms))
-    budget_ms = limit_ms - overhead_ms
-    prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
+    # What the TPOT SLOs allow (a hard limit), and what smoothness prefers (the stretch).
+    slo_ms = max(decode_ms, min(d.tpot_slo_ms for d in decoding) * expected)
+    limit_ms = min(limits.stretch * decode_ms, slo_ms)
+
+    def most_prefill(t: int, limit: float) -> int:
+        return _most(lambda p: with_prefill(t, p), limit - overhead_ms, max(cap - t, 0))
+
+    prefill = most_prefill(trees, limit_ms)
     need = _ttft_need(order, limit_ms, now_ms)
     if need > prefill and trees > slo_tokens:
-        # Deadlines at risk: the throughput trees give way, the SLO trees stay.
-        fit = _most(lambda t: with_prefill(t, need), budget_ms, trees)
+        # Deadlines at risk: the throughput trees give way first (the SLO trees stay)...
+        fit = _most(lambda t: with_prefill(t, need), limit_ms - overhead_ms, trees)
         trees = max(slo_tokens, min(trees, fit))
-        prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
+        prefill = most_prefill(trees, limit_ms)
+    if need > prefill and slo_ms > limit_ms:
+        # ... then smoothness: the iteration may outlast the stretch, never the SLOs.
+        prefill = max(prefill, min(need, most_prefill(trees, slo_ms)))
+        limit_ms = max(limit_ms, with_prefill(trees, prefill) + overhead_ms)
     prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
     chunks = _chunks(order, prefill)
     return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))

@@ -213,10 +213,25 @@ def test_a_chunk_deep_in_its_prompt_is_smaller_for_the_same_time() -> None:
     curve = Curve((1.0, 64.0, 512.0), (10.0, 20.0, 120.0), context_ms=0.5)
     decoders = [dec(0, slo=1000.0), dec(1, slo=1000.0)]
     limits = BatchLimits(tree_budget=64, max_batch_tokens=2048, min_prefill_tokens=1)
-    start = form_batch(decoders, [pre(0, 4000)], limits, curve)
-    deep = form_batch(decoders, [pre(0, 4000, done=1500)], limits, curve)
+    start = form_batch(decoders, [pre(0, 4000, deadline=1e9)], limits, curve)
+    deep = form_batch(decoders, [pre(0, 4000, deadline=1e9, done=1500)], limits, curve)
     assert 0 < deep.prefill_tokens < start.prefill_tokens
     assert deep.prefill_context == pytest.approx(deep.prefill_tokens * 1500 / 1000)
     p = deep.prefill_tokens
     assert curve(2, p, deep.prefill_context) <= deep.time_limit_ms
     assert curve(2, p + 1, (p + 1) * 1.5) > deep.time_limit_ms
+
+
+def test_ttft_deadlines_may_stretch_an_iteration_up_to_the_tpot_slo() -> None:
+    """With no room left by the stretch, an urgent prompt still gets prefill: the
+    iteration may run longer, up to what the decoders' TPOT SLO allows, no further."""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))  # 1 ms per token past the first
+    limits = BatchLimits(64, 4096, 1, stretch=1.0)
+    decoders = [dec(0, slo=100.0), dec(1, slo=400.0)]
+    relaxed = form_batch(decoders, [pre(0, 3000, deadline=1e9)], limits, linear)
+    urgent = form_batch(decoders, [pre(0, 3000, deadline=5.0)], limits, linear)
+    assert relaxed.prefill_tokens == 1  # the stretch leaves nothing, min_prefill gives 1
+    assert urgent.prefill_tokens > relaxed.prefill_tokens
+    assert urgent.time_limit_ms <= 100.0 + 1e-9  # the tightest TPOT SLO (no drafting)
+    assert linear(2, urgent.prefill_tokens, 0.0) <= 100.0
+    assert linear(2, urgent.prefill_tokens + 1, 0.0) > 100.0
