@@ -57,6 +57,9 @@ class Prefilling:
     priority: int = 0  # vLLM-style: lower first among equal deadlines
     arrival_ms: float = 0.0
     done: int = 0  # prompt tokens already prefilled: where its next chunk starts
+    # The deadline is a TTFT SLO (False: a default that only orders the queue, so the
+    # request is served eventually; it never makes an iteration longer).
+    binding: bool = True
 
 
 @dataclass(frozen=True)
@@ -172,13 +175,15 @@ def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.nd
 
 
 def _ttft_need(order: Sequence[Prefilling], iteration_ms: float, now_ms: float) -> int:
-    """Prompt tokens this iteration must prefill for every prompt to reach its deadline
-    at this pace, prompts served in `order`: the largest, over the order's prefixes, of
-    the prefix's remaining tokens spread over the iterations left before its deadline
-    (all of them once the deadline has passed)."""
+    """Prompt tokens this iteration must prefill for every prompt with a TTFT SLO to
+    reach its deadline at this pace, prompts served in `order`: the largest, over the
+    order's prefixes ending at such a prompt, of the prefix's remaining tokens spread
+    over the iterations left before its deadline (all of them once it has passed)."""
     need, total = 0.0, 0
     for p in order:
         total += p.remaining
+        if not p.binding:
+            continue
         iterations = (p.deadline_ms - now_ms) / iteration_ms
         need = max(need, total / iterations if iterations > 1 else total)
     return math.ceil(need)

@@ -415,6 +415,7 @@ class Engine:
                     r.req.priority,
                     r.arrival * 1000.0,
                     r.prefilled,
+                    r.req.ttft_slo_ms is not None and r.num_generated == 0,
                 )
                 for r in prefilling
             ],
