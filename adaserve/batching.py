@@ -15,9 +15,10 @@ requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
 3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
 4. **The rest of the time to prefill.** An iteration may run longer than its decode
    work by at most `stretch` times that work (a prompt that arrives slows the running
-   streams by at most that factor, whatever their slack), and never past the tightest
-   TPOT SLO times the tokens a request expects from its tree. When the TTFT deadlines
-   need more than the stretch leaves, the iteration may run up to that SLO limit.
+   streams by at most that factor), and never past what keeps every decoding request
+   on its TPOT SLO (a request ahead of its SLO has slack to spend; one that no
+   iteration could keep on schedule is left to selection). When the TTFT deadlines need
+   more than the stretch leaves, the iteration may run up to that SLO limit.
 
 The token counts come from the forward's latency model (`adaserve/latency.py`), not a
 fixed chunk size. While prompts wait, each iteration prefills at least
@@ -128,9 +129,8 @@ def form_batch(
     def with_prefill(t: int, p: int) -> float:
         return forward_ms(t, p, chunk_context(_chunks(order, p), order))
 
-    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
+    slo_ms = max(decode_ms, _slo_limit_ms(decoding, limits, decode_ms))
     # What the TPOT SLOs allow (a hard limit), and what smoothness prefers (the stretch).
-    slo_ms = max(decode_ms, min(d.tpot_slo_ms for d in decoding) * expected)
     limit_ms = min(limits.stretch * decode_ms, slo_ms)
 
     def most_prefill(t: int, limit: float) -> int:
@@ -150,6 +150,22 @@ def form_batch(
     prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
     chunks = _chunks(order, prefill)
     return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))
+
+
+def _slo_limit_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: float) -> float:
+    """The longest iteration that keeps every decoding request on its TPOT SLO: request
+    r, l_r ms and o_r tokens past its first, expecting E tokens from its tree, is still
+    on schedule after an iteration of T ms when (l_r + T) / (o_r + E) <= t_r, so T <=
+    t_r (o_r + E) - l_r; a request ahead of its SLO has the slack to wait longer.
+    Requests no iteration of the decode work's length can keep on schedule are left out
+    (they need more tokens, not less prefill: selection's SLO phase is for them)."""
+    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
+    slo = np.array([d.tpot_slo_ms for d in decoding])
+    t = slo * (np.array([d.decoded for d in decoding]) + expected) - np.array(
+        [d.elapsed_ms for d in decoding]
+    )
+    saveable = t[t >= decode_ms]
+    return float(saveable.min()) if saveable.size else decode_ms
 
 
 def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:
