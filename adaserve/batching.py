@@ -14,11 +14,16 @@ requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
    deadline come next, taken from the throughput trees if need be.
 3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
 4. **The rest of the time to prefill.** An iteration may run longer than its decode
-   work by at most `stretch` times that work (a prompt that arrives slows the running
-   streams by at most that factor), and never past what keeps every decoding request
-   on its TPOT SLO (a request ahead of its SLO has slack to spend; one that no
-   iteration could keep on schedule is left to selection). When the TTFT deadlines need
-   more than the stretch leaves, the iteration may run up to that SLO limit.
+   work by at most `stretch` times that work: a prompt that arrives slows the running
+   streams by at most that factor. When the TTFT deadlines need more than the stretch
+   leaves, the iteration may run longer, up to what keeps every decoding request on its
+   TPOT SLO (a request ahead of its SLO has slack to spend).
+
+The stretch is not capped by the TPOT SLOs. A TPOT SLO is an average over the whole
+output, and the prefill work is the same whether it runs now or later: deferring it to
+keep this iteration within every request's slack only delays it into the same
+requests' later iterations, while the prompts wait and miss their TTFT. Capping it did
+exactly that in the simulator (benchmarks/BENCHMARKS.md, unified iteration).
 
 The token counts come from the forward's latency model (`adaserve/latency.py`), not a
 fixed chunk size. While prompts wait, each iteration prefills at least
@@ -68,7 +73,7 @@ class BatchLimits:
     tree_budget: int  # B: the most tree tokens selection may verify (the verify knee)
     max_batch_tokens: int  # the most tokens one forward carries, trees and chunks
     min_prefill_tokens: int  # prefill progress per iteration while prompts wait
-    stretch: float = 1.5  # the most an iteration may outlast its decode work, as a factor
+    stretch: float = 2.0  # the most an iteration may outlast its decode work, as a factor
     depth: int = 0  # planned draft depth this iteration (0: no drafting)
     width: int = 1
     acceptance: float = 0.75  # per drafted token: expected tokens per tree
@@ -129,9 +134,9 @@ def form_batch(
     def with_prefill(t: int, p: int) -> float:
         return forward_ms(t, p, chunk_context(_chunks(order, p), order))
 
+    # What smoothness prefers (the stretch), and how far TTFT deadlines may push past it.
+    limit_ms = limits.stretch * decode_ms
     slo_ms = max(decode_ms, _slo_limit_ms(decoding, limits, decode_ms))
-    # What the TPOT SLOs allow (a hard limit), and what smoothness prefers (the stretch).
-    limit_ms = min(limits.stretch * decode_ms, slo_ms)
 
     def most_prefill(t: int, limit: float) -> int:
         return _most(lambda p: with_prefill(t, p), limit - overhead_ms, max(cap - t, 0))
@@ -144,7 +149,7 @@ def form_batch(
         trees = max(slo_tokens, min(trees, fit))
         prefill = most_prefill(trees, limit_ms)
     if need > prefill and slo_ms > limit_ms:
-        # ... then smoothness: the iteration may outlast the stretch, never the SLOs.
+        # ... then smoothness: the iteration may outlast the stretch, not the slack.
         prefill = max(prefill, min(need, most_prefill(trees, slo_ms)))
         limit_ms = max(limit_ms, with_prefill(trees, prefill) + overhead_ms)
     prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
