@@ -74,7 +74,7 @@ def test_a_backend_that_cannot_run_is_a_clear_error_naming_the_setting(
 
 def test_make_backend_on_cpu() -> None:
     assert make_backend("auto", 4, 2, 8, CPU).name == "reference"
-    with pytest.raises(BackendUnavailable, match="model.attention_backend"):
+    with pytest.raises(BackendUnavailable, match=r"model\.attention_backend"):
         make_backend("flashinfer", 4, 2, 8, CPU)
 
 
@@ -102,7 +102,7 @@ def test_loader_refuses_before_loading_weights(tmp_path) -> None:
     from adaserve.model.loader import load_runner
 
     # No model directory at all: the backend check comes first, so that is not what fails.
-    with pytest.raises(BackendUnavailable, match="model.attention_backend is 'triton'"):
+    with pytest.raises(BackendUnavailable, match=r"model\.attention_backend is 'triton'"):
         load_runner(tmp_path / "missing", device="cpu", attention_backend="triton")
 
 
@@ -145,7 +145,7 @@ def test_served_path_passes_the_setting_logs_and_exports_it(tmp_path, caplog) ->
     bad = settings.model_copy(
         update={"model": settings.model.model_copy(update={"attention_backend": "flashinfer"})}
     )
-    with pytest.raises(BackendUnavailable, match="model.attention_backend is 'flashinfer'"):
+    with pytest.raises(BackendUnavailable, match=r"model\.attention_backend is 'flashinfer'"):
         build_engine(bad)
 
 
