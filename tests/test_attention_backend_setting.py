@@ -193,3 +193,23 @@ def test_up_passes_the_flag_to_model_processes_only(tmp_path) -> None:
         has = "--attention-backend" in s.args
         assert has == s.name.startswith(("verifier", "drafter")), s.name
     assert any(s.name.startswith("drafter") for s in services)
+
+
+def test_flashinfer_is_built_for_the_cache_block_size_and_dtype(monkeypatch) -> None:
+    """FlashInfer reads the cache as pages: it must get the cache's page size and dtype
+    (it used to assume 16 and bf16 whatever the KV cache was)."""
+    import adaserve.model.attention as attention
+    import adaserve.model.attention_flashinfer as fi
+
+    built = {}
+
+    class Fake:
+        name = "flashinfer"
+
+        def __init__(self, heads, kv_heads, head_dim, device, block_size, dtype) -> None:
+            built.update(block_size=block_size, dtype=dtype)
+
+    monkeypatch.setattr(attention, "resolve_backend", lambda name, device: "flashinfer")
+    monkeypatch.setattr(fi, "FlashInferBackend", Fake)
+    make_backend("auto", 4, 2, 8, CUDA, block_size=32, dtype=torch.float16)
+    assert built == {"block_size": 32, "dtype": torch.float16}

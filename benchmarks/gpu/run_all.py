@@ -229,7 +229,15 @@ def our_runner(
         cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )
     cache = PagedKVCache(storage, blocks, block_size)
-    be = make_backend(backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device)
+    be = make_backend(
+        backend,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        device,
+        block_size=block_size,
+        dtype=dtype,
+    )
     return ModelRunner(model, cfg, cache, be, device, dtype, max_len)
 
 
@@ -266,7 +274,7 @@ def correctness(run: Run, dev: torch.device, dtype: torch.dtype, backend: str) -
                 q, kv_new = random_qkv(sum(batch.query_lens), heads, kvh, d, dt, dev)
                 ref = ReferenceBackend(heads, kvh, d, dev)
                 want = ref.attend(0, q.clone(), kv_new, storage, ref.plan(batch)).double()
-                be = make_backend(backend, heads, kvh, d, dev)
+                be = make_backend(backend, heads, kvh, d, dev, block_size=16, dtype=dt)
                 got = be.attend(0, q.clone(), kv_new, storage, be.plan(batch)).double()
                 rel = float((got - want).norm() / want.norm())
                 tol = 1e-2 if dt != torch.float32 else 2e-3  # tl.dot runs fp32 as tf32
