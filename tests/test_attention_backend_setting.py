@@ -213,3 +213,12 @@ def test_flashinfer_is_built_for_the_cache_block_size_and_dtype(monkeypatch) -> 
     monkeypatch.setattr(fi, "FlashInferBackend", Fake)
     make_backend("auto", 4, 2, 8, CUDA, block_size=32, dtype=torch.float16)
     assert built == {"block_size": 32, "dtype": torch.float16}
+
+
+def test_drafter_service_reports_a_bad_setting_without_traceback(tmp_path) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("model:\n  attention_backend: xformers\n")
+    res = _cli("drafter", "--port", "0", "--model", str(tmp_path), "--config", str(cfg))
+    assert res.returncode == 2
+    assert "attention_backend" in res.stderr
+    assert "Traceback" not in res.stderr

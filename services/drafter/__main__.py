@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from services.common.server import run_until_signal
     from services.drafter.server import build_server
 
-    settings = load_settings(args.config)
-    try:
+    try:  # a bad settings file or ADASERVE_* value is the user's to fix: no traceback
+        settings = load_settings(args.config)
         tls.configure(settings.tls)
     except (OSError, ValueError) as exc:
         print(f"adaserve drafter: {exc}", file=sys.stderr)
