@@ -8,18 +8,23 @@ request past its own:
     n'       = running + waiting + sent since the report + 1     (the batch it joins)
     tpot(n') = the unit's predicted TPOT at batch n' (its curve, interpolated)
     limit    = min(the request's SLO, the tightest SLO the unit already serves)
-    feasible = tpot(n') <= limit, n' fits max_running, KV below `kv_limit`, and the
-               predicted prefill queue within the request's TTFT SLO (if it has one)
+    fits     = n' <= max_running, KV below `kv_limit`, and the predicted prefill queue
+               within the request's TTFT SLO (if it has one): room, a hard limit
+    meets    = tpot(n') <= limit: the SLOs are predicted to hold
     headroom = limit / tpot(n')
 
-Among feasible units those holding the longest prefix of the request win (their prefix
-cache saves the prefill); then the smallest batch n', then the most headroom. The SLO
-decides where a request may go, balance where among those it goes: ranking feasible
-units by predicted headroom would herd every request onto whichever unit's prediction
-came out a little fast (measured in the simulator: BENCHMARKS.md). With none feasible,
-the smallest batch among all, then the most headroom (`overloaded`). A unit whose last report is older than `stale_s` is not trusted: it
-gets no request while another unit reports fresh, and when none does, routing falls
-back to least outstanding requests. Draining units get nothing.
+Among the units that fit (all, if none does), only those whose n' is within
+`imbalance` (2, or a quarter) of the least loaded one's compete; among those, the ones
+whose SLOs hold (meets) and that hold the longest prefix of the request win (their
+prefix cache saves the prefill), then the smallest n', then the most headroom. The SLO
+decides where a request may go, balance where among those it goes: ranking by predicted
+headroom, or letting the prediction alone pick, herds requests onto whichever unit's
+prediction came out a little low (measured in the simulator: BENCHMARKS.md). With none
+whose SLOs hold, the smallest n' among them, then the most headroom (`overloaded`).
+
+A unit whose last report is older than `stale_s` is not trusted: it gets no request
+while another unit reports fresh, and when none does, routing falls back to least
+outstanding requests. Draining units get nothing.
 
 This module is pure (no clock reads, no I/O): the gateway (`gateway/router.py`) and the
 simulator's multi-unit driver (`sim/driver.py`) call the same `route`.
@@ -133,24 +138,38 @@ def route(req: RouteRequest, cands: Sequence[Candidate], params: RoutingParams) 
     if not fresh:
         return Decision(_least_outstanding(cands, live), "stale")
     scored = {i: _score(req, cands[i], params) for i in fresh}
-    feasible = [i for i in fresh if scored[i].feasible]
+    # Room (KV, a batch slot, the prefill queue within the TTFT SLO) is a hard limit.
+    fits = [i for i in fresh if scored[i].fits] or fresh
+    # Only units near the least loaded compete on predicted TPOT and prefix: past
+    # capacity the units whose TPOT is predicted to hold are whichever came out a little
+    # low, and sending everything there unbalances the fleet (BENCHMARKS.md, routing).
+    least = min(scored[i].batch for i in fits)
+    near = [i for i in fits if scored[i].batch <= least + imbalance(least)]
+    feasible = [i for i in near if scored[i].meets]
     if feasible:
         best_prefix = max(cands[i].prefix_match for i in feasible)
         if best_prefix > 0:
             holders = [i for i in feasible if cands[i].prefix_match == best_prefix]
             return Decision(_best(scored, holders), "prefix")
         return Decision(_best(scored, feasible), "slo")
-    return Decision(_best(scored, fresh), "overloaded")
+    return Decision(_best(scored, near), "overloaded")
+
+
+def imbalance(least_batch: int) -> int:
+    """How many more requests than the least loaded unit a unit may run and still be
+    chosen for its SLO headroom or its prefix: 2, or a quarter of that batch."""
+    return max(2, math.ceil(0.25 * least_batch))
 
 
 class _Score(NamedTuple):
-    feasible: bool
+    fits: bool  # KV below the limit, a batch slot free, the prefill queue within TTFT
+    meets: bool  # the predicted TPOT holds the request's and the unit's tightest SLO
     headroom: float
     batch: int  # the batch the request would join
 
 
 def _score(req: RouteRequest, c: Candidate, params: RoutingParams) -> _Score:
-    """Feasibility and headroom of sending `req` to `c` (which has a load report)."""
+    """What sending `req` to `c` (which has a load report) would do."""
     load = c.load
     assert load is not None
     batch = load.running + load.waiting + c.sent_since_report + 1
@@ -161,12 +180,12 @@ def _score(req: RouteRequest, c: Candidate, params: RoutingParams) -> _Score:
     if math.isinf(limit):  # nothing to hold it to: the faster unit is the better one
         limit = 1.0
     headroom = limit / tpot if tpot > 0 else math.inf
-    ok = tpot <= limit and batch <= load.max_running and load.kv_usage < params.kv_limit
+    fits = batch <= load.max_running and load.kv_usage < params.kv_limit
     ttft = c.ttft_slo_ms if c.ttft_slo_ms is not None else req.ttft_slo_ms
     if ttft is not None:
         queue_ms = (load.prefill_queue_tokens + req.prompt_tokens) * load.prefill_ms_per_token
-        ok = ok and queue_ms <= ttft
-    return _Score(ok, headroom, batch)
+        fits = fits and queue_ms <= ttft
+    return _Score(fits, tpot <= limit, headroom, batch)
 
 
 def _best(scored: dict[int, _Score], among: list[int]) -> tuple[int, ...]:

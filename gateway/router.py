@@ -262,7 +262,8 @@ class Router:
                 self._apply_report(unit, msg)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                # An older unit: routed by least outstanding requests alongside the rest.
+                # An older unit: like a stale one, it gets requests only while no unit
+                # reports fresh (upgrade every unit for SLO-aware routing).
                 unit.reports = False
                 log.warning("verifier unit sends no load reports", extra={"unit": unit.address})
             elif err.code() == grpc.StatusCode.UNAVAILABLE:

@@ -15,6 +15,7 @@ from adaserve.routing import (
     RouteRequest,
     RoutingParams,
     UnitLoad,
+    imbalance,
     match_depth,
     message_keys,
     route,
@@ -61,6 +62,17 @@ def test_a_tight_request_goes_where_its_slo_holds() -> None:
     assert route(RouteRequest(), tight, SLO) == ((1,), "slo")
 
 
+def test_slo_and_prefix_choose_only_among_nearly_balanced_units() -> None:
+    # Unit 1 holds the prefix and meets the SLO, but runs 4 more than unit 0 (> 2).
+    cands = [cand(load(1)), cand(load(5), prefix_match=3)]
+    assert route(RouteRequest(), cands, SLO) == ((0,), "slo")
+    # Near the least loaded, feasibility decides: unit 0 (batch 3) would break its
+    # 35 ms request; unit 1 (batch 5, within 2) breaks nothing.
+    cands = [cand(load(2, tightest=35.0)), cand(load(4))]
+    assert route(RouteRequest(), cands, SLO) == ((1,), "slo")
+    assert imbalance(0) == 2 and imbalance(40) == 10
+
+
 def test_the_units_tightest_running_request_is_protected() -> None:
     # Both meet the new request's 100 ms; unit 1 holds a 45 ms request that batch 4
     # (50 ms) would break, unit 0 only relaxed ones: unit 0 though it runs more.
@@ -86,7 +98,7 @@ def test_requests_sent_since_the_report_count_against_the_unit() -> None:
 
 
 def test_a_unit_holding_the_prefix_wins_when_its_slo_allows() -> None:
-    cands = [cand(load(1)), cand(load(4), prefix_match=3), cand(load(4), prefix_match=1)]
+    cands = [cand(load(1)), cand(load(3), prefix_match=3), cand(load(3), prefix_match=1)]
     assert route(RouteRequest(), cands, SLO) == ((1,), "prefix")
     # ... but not at the cost of the SLO: batch 13 there would take 140 ms.
     cands = [cand(load(1)), cand(load(12), prefix_match=3)]

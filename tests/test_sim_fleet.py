@@ -53,8 +53,9 @@ def test_routing_choices_keep_every_request_and_stay_deterministic() -> None:
 
 def test_prefix_affinity_sends_a_shared_prefix_to_the_unit_that_holds_it() -> None:
     """Prompts of one class share their first 192 tokens (three token blocks): routed by
-    prefix, they gather on the unit that served the first (while its SLOs allow), and
-    the prefix cache serves them there."""
+    prefix, they gather on the unit that served the first (while its SLOs allow and it
+    runs at most routing.imbalance more than the least loaded unit), where the prefix
+    cache serves them: less prefill work in all than spread by least outstanding."""
     wl = small_workload(units=3, rps=2.0)
     classes = {
         name: c.model_copy(update={"shared_prefix_tokens": 192, "weight": 1.0})
@@ -68,7 +69,8 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_unit_that_holds_it() -> No
     lo = simulate(wl, "adaserve", routing="least_outstanding")
     lo_units = [r.unit for r in lo.records]
     lo_share = max(lo_units.count(u) for u in set(lo_units)) / len(lo_units)
-    assert share > lo_share and share >= 0.9, (units, lo_units)
+    assert share >= 0.6 and share > lo_share + 0.2, (units, lo_units)
+    assert res.summary["prefill_ms_total"] < lo.summary["prefill_ms_total"]
     assert res.summary["slo_attainment"] >= lo.summary["slo_attainment"]
 
 
@@ -127,3 +129,29 @@ def test_capacity_command(tmp_path) -> None:
         timeout=120,
     )
     assert bad.returncode == 2 and "target attainment must be in (0, 1]" in bad.stderr
+
+
+def test_simulate_command_takes_units_and_routing(tmp_path) -> None:
+    wl = small_workload(duration_s=4.0)
+    path = tmp_path / "wl.yaml"
+    path.write_text(json.dumps(wl.model_dump(mode="json", exclude_none=True)))
+    base = [sys.executable, "-m", "adaserve.cli", "simulate", str(path), "--policy", "adaserve"]
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [*base, "--units", "3", "--routing", "least_outstanding", "--out", str(out), "--no-plots"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["units"] == 3 and summary["routing"] == "least_outstanding"
+    bad = subprocess.run(
+        [*base, "--units", "0", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "--units must be >= 1" in bad.stderr

@@ -154,3 +154,26 @@ def test_liveness_fails_while_the_engine_loop_is_wedged(unit) -> None:
     while _health(address, LIVENESS) != SERVING or _health(address, "") != SERVING:
         assert time.monotonic() < deadline, "liveness never came back"
         time.sleep(0.1)
+
+
+def test_a_delta_for_a_reader_whose_loop_closed_is_kept_not_raised() -> None:
+    """After a drain times out the server's loop closes while the engine thread still
+    finishes its iteration: handing that iteration's deltas over must not fail it."""
+    import asyncio
+
+    from adaserve.request import TokenDelta
+    from adaserve.slo import SLOVerdict
+    from adaserve.stream import RequestStream
+
+    stream = RequestStream("r", SLOVerdict(False, 1.0))
+
+    async def start_reading() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(anext(aiter(stream.aiter())), 0.01)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(start_reading())
+    loop.close()
+    delta = TokenDelta((1,), "a", None, 1, 1)
+    stream.put(delta)  # the reader's loop is closed
+    assert stream.get(timeout=0) == delta
