@@ -16,7 +16,17 @@ from adaserve.sim.driver import simulate
 from tests._serving import REPO
 from tests.test_sim_driver import small_workload
 
-RPS = 40.0  # more than one unit of the small workload serves at its SLOs
+RPS = 40.0  # more than one unit of the capacity workload serves at its SLOs
+
+
+def capacity_workload():
+    """The small workload with TTFT SLOs (the EuroSys workload's): since one forward
+    carries prefill beside the decoding streams, an overloaded unit keeps its TPOT SLOs
+    and the overload shows as queueing before the first token."""
+    data = small_workload(duration_s=6.0).model_dump(mode="json", exclude_none=True)
+    for name, ttft_ms in (("coding", 1000), ("chat", 1000), ("summarization", 3000)):
+        data["classes"][name]["slo"]["ttft_ms"] = ttft_ms
+    return type(small_workload())(**data)
 
 
 def test_the_driver_routes_with_the_gateways_code(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +85,7 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_unit_that_holds_it() -> No
 
 
 def test_capacity_finds_the_fewest_units_that_attain_the_target() -> None:
-    wl = small_workload(duration_s=6.0)
+    wl = capacity_workload()
     seen: list[int] = []
     plan = plan_units(
         wl, "adaserve", RPS, 0.9, max_units=8, progress=lambda p: seen.append(p.units)
@@ -94,7 +104,7 @@ def test_capacity_finds_the_fewest_units_that_attain_the_target() -> None:
 
 
 def test_capacity_command(tmp_path) -> None:
-    wl = small_workload(duration_s=6.0)
+    wl = capacity_workload()
     path = tmp_path / "wl.yaml"
     path.write_text(json.dumps(wl.model_dump(mode="json", exclude_none=True)))
     out = tmp_path / "plan.json"
