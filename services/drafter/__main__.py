@@ -97,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.host)
-    return run_until_signal(lambda: build_server(drafter, args.host, args.port, worker=worker))
+    drain_s = settings.fleet.drain_timeout_s
+    return run_until_signal(
+        lambda: build_server(drafter, args.host, args.port, worker=worker, drain_timeout_s=drain_s)
+    )
 
 
 if __name__ == "__main__":
