@@ -664,3 +664,14 @@ def test_demo_against_the_stack(stack: Stack, tmp_path: Path) -> None:
     assert all(g["slo_attainment"] is not None for g in summary["per_class"].values())
     assert (tmp_path / "tpot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "TPOT p50/p90 ms" in r.stdout
+
+
+def test_demo_refuses_a_rate_that_is_not_positive() -> None:
+    argv = ["--url", "http://127.0.0.1:9", "--rps", "0", "--long-prompts"]
+    r = subprocess.run(
+        [sys.executable, "-m", "adaserve.cli", "demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--rps must be positive" in r.stderr, r.stderr
