@@ -25,7 +25,7 @@ from adaserve.request import GenerationRequest, SamplingParams, TokenDelta
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from adaserve.slo import describe
-from services.common.convert import finish_reason_to_pb
+from services.common.convert import finish_reason_to_pb, speculation_method_from_pb
 from services.common.server import GrpcServer, Service
 
 log = logging.getLogger("adaserve.verifier")
@@ -61,6 +61,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             priority=request.priority,
             timeout_s=request.timeout_s or None,
             ttft_slo_ms=slo.ttft_ms,
+            speculation=speculation_method_from_pb(request.speculation_method),
         )
         try:
             stream = self.engine.submit(req)
@@ -129,6 +130,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 for name, cls in self.settings.slo.classes.items()
                 if cls.ttft_ms is not None
             },
+            speculation_methods=list(info.speculation_methods),
         )
 
     async def Stats(
