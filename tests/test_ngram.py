@@ -185,3 +185,87 @@ def _paths_max(tree: CandidateTree) -> dict[tuple[int, ...], float]:
 def test_merging_needs_the_same_root():
     with pytest.raises(TreeError, match="roots differ"):
         merge_trees(CandidateTree.root_only(1), CandidateTree.chain([2, 3], [0.0, -1.0]))
+
+
+# ---- teacher-forced measurement (adaserve measure-drafter --drafter ngram) -------------
+
+
+def test_measured_steps_match_drafting_from_scratch_at_every_step():
+    """ngram_matches feeds the drafter only the new tokens; drafting from the whole
+    history afresh at each step (a new drafter each time) must give the same steps."""
+    from adaserve.distill.data import Sequences
+    from adaserve.distill.measure import ngram_matches, summarize
+
+    rng = np.random.default_rng(3)
+    seqs, prompt_lens = [], []
+    for _ in range(6):
+        base = rng.integers(0, 6, 12).tolist()
+        prompt = base + base[:5]  # the continuation repeats the prompt, then wanders
+        seqs.append(prompt + base[5:] + rng.integers(0, 6, 10).tolist())
+        prompt_lens.append(len(prompt))
+    data = Sequences(
+        tokens=np.concatenate(seqs).astype(np.int32),
+        offsets=np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
+        prompt_lens=np.asarray(prompt_lens, np.int32),
+        topk_ids=np.zeros((0, 1), np.int32),
+        topk_logp=np.zeros((0, 1), np.float16),
+    )
+    matches, steps = ngram_matches(data, depth=4)
+    for i in range(len(data)):
+        seq, pl = data.seq(i), int(data.prompt_lens[i])
+        pos, want = pl, 0
+        while pos < len(seq):
+            update = DraftUpdate("x", seq[:pos], pos)
+            (tree,) = NgramDrafter().speculate([update], 4, 1)
+            k = 0
+            while k < len(tree) - 1 and pos + k < len(seq) and tree.tokens[1 + k] == seq[pos + k]:
+                k += 1
+            pos, want = pos + min(k + 1, len(seq) - pos), want + 1
+        assert steps[i] == want
+        first = [
+            len(t := NgramDrafter().speculate([DraftUpdate("x", seq[:p], p)], 1, 1)[0]) > 1
+            and int(t.tokens[1]) == int(seq[p])
+            for p in range(pl, len(seq))
+        ]
+        assert matches[i].tolist() == first
+    acc = summarize(matches, 4, steps)
+    assert acc.mean_emitted == pytest.approx(acc.tokens / sum(steps)) and acc.mean_emitted > 1.5
+
+
+@pytest.mark.slow
+def test_measure_drafter_reports_each_drafter_on_the_same_continuations(tmp_path):
+    """`adaserve measure-drafter --drafter embedded ngram`: one target generation, one
+    table per drafter over the same continuation tokens, per category."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    heldout = Path(__file__).parents[1] / "adaserve" / "distill" / "prompts" / "heldout.jsonl"
+    rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
+    picked = [next(r for r in rows if r["category"] == c) for c in ("summarize", "chat")]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    args = ["--prompts", str(prompts), "--max-new-tokens", "16", "--cost-steps", "0", "--json"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "adaserve",
+            "measure-drafter",
+            "--drafter",
+            "embedded",
+            "ngram",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    model, ngram = result["drafters"]["embedded"], result["drafters"]["ngram"]
+    assert model["tokens"] == ngram["tokens"] > 0
+    assert set(model["by_category"]) == set(ngram["by_category"]) == {"summarize", "chat"}
+    assert 1.0 <= ngram["mean_emitted"] <= 5.0 and ngram["drafter"] == "ngram"
+    assert ngram["drafter_ms_per_draft"] > 0
