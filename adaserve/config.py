@@ -192,11 +192,13 @@ class NgramSettings(BaseModel):
     request's recent tokens in its own prompt and output."""
 
     enabled: bool = True
-    min_n: PositiveInt = 2  # the shortest match that drafts
+    min_n: PositiveInt = 1  # the shortest match that drafts
     max_n: PositiveInt = 16  # matches are compared backwards this far at most
     max_matches: PositiveInt = 32  # most recent occurrences a tree is built from
-    # Pseudo-continuations agreeing with nothing: q = count / (matches + prior_count).
-    prior_count: PositiveFloat = 1.0
+    # Pseudo-continuations agreeing with nothing, fewer for longer matches:
+    # q = count / (matches + prior_count / match_length ** length_power) (ngram.py).
+    prior_count: PositiveFloat = 2.2
+    length_power: NonNegativeFloat = 1.6
     # Its draft steps cost no forward, so it drafts deeper than the model; selection
     # verifies only the nodes whose f pays for their verify time.
     depth: PositiveInt = 8

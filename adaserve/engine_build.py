@@ -89,7 +89,11 @@ def build_ngram(settings: Settings) -> NgramDrafter | None:
         return None
     return NgramDrafter(
         NgramParams(
-            min_n=ng.min_n, max_n=ng.max_n, max_matches=ng.max_matches, prior_count=ng.prior_count
+            min_n=ng.min_n,
+            max_n=ng.max_n,
+            max_matches=ng.max_matches,
+            prior_count=ng.prior_count,
+            length_power=ng.length_power,
         )
     )
 

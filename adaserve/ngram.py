@@ -11,16 +11,21 @@ Per request it keeps the committed tokens and a suffix index: every `min_n`-gram
 the positions where it ends, appended as tokens arrive. One lookup is then O(1) in the
 context length (prompt lookup scans the whole context each step): the occurrences of
 the last `min_n` tokens, each extended backwards with numpy to its full match length
-(at most `max_n`). The occurrences sharing the longest match are the evidence; their
-continuations (the `max_matches` most recent) form a trie, and each trie node's
-conditional probability is the fraction of the continuations through its parent that
-agree on it, smoothed by `prior_count` pseudo-continuations that agree with nothing:
+(at most `max_n`). The occurrences sharing the longest match, of length k, are the
+evidence; their continuations (the `max_matches` most recent) form a trie, and each trie
+node's conditional probability is the fraction of the continuations through its parent
+that agree on it, smoothed by pseudo-continuations that agree with nothing:
 
-    q(c | u) = count(u c) / (count(u) + prior_count)
+    q(c | u) = count(u c) / (count(u) + prior_count / m ** length_power),  m = k + depth(u)
 
-so one match gives 0.5, three agreeing ones 0.75, and a token that continued half of
-many matches about 0.5: the path probabilities f selection weighs are the measured
-agreement of the request's own history. The tree keeps, per level, the `width` nodes
+m is the match length the node extends (each level drafted assumes one more matched
+token). On the embedded target's own summaries and chats (train prompts, not the
+held-out ones) a single match's next token was accepted 31% of the time at k = 1, 53%
+at 2, 62% at 3, 81% at 4 and 93% from 6 on: the defaults (2.2, 1.6) give 0.31, 0.58,
+0.72, 0.81 and 0.89. So a token that continued every one of many long matches is near
+1, one seen once after a single token 0.31, and one that continued half of the matches
+about half that: the path probabilities f selection weighs are the measured agreement
+of the request's own history. The tree keeps, per level, the `width` nodes
 of highest f (a beam over the trie), `depth` levels at most; `stop_prob` ends it
 before a level where no node reaches that f, as `BeamDrafter` does. A continuation
 that runs into the end of the context continues with its own predicted tokens (period
@@ -41,10 +46,11 @@ from adaserve.tree import CandidateTree
 
 @dataclass(frozen=True)
 class NgramParams:
-    min_n: int = 2  # the shortest match that drafts (and the index's key length)
+    min_n: int = 1  # the shortest match that drafts (and the index's key length)
     max_n: int = 16  # matches are compared backwards this far at most
     max_matches: int = 32  # most recent occurrences of the longest match a tree uses
-    prior_count: float = 1.0  # pseudo-continuations agreeing with no candidate
+    prior_count: float = 2.2  # pseudo-continuations agreeing with no candidate, at m = 1
+    length_power: float = 1.6  # ... divided by m ** length_power (m: the match length)
     scan: int = 256  # most recent occurrences of the key extended per lookup
 
     def __post_init__(self) -> None:
@@ -54,6 +60,8 @@ class NgramParams:
             raise ValueError("ngram: need max_matches >= 1 and scan >= max_matches")
         if not self.prior_count > 0:  # a single match must not be certain
             raise ValueError(f"ngram: prior_count must be > 0, got {self.prior_count}")
+        if not self.length_power >= 0:
+            raise ValueError(f"ngram: length_power must be >= 0, got {self.length_power}")
 
 
 class SuffixIndex:
@@ -117,9 +125,12 @@ def continuation_tree(
     width: int,
     prior_count: float,
     stop_prob: float = 0.0,
+    match_len: int = 1,
+    length_power: float = 0.0,
 ) -> CandidateTree:
-    """The beam-pruned trie of the continuations at `starts` (see the module doc);
-    root = tokens[-1]. A continuation past the end repeats its own period."""
+    """The beam-pruned trie of the continuations at `starts`, whose contexts matched
+    the last `match_len` tokens (see the module doc); root = tokens[-1]. A continuation
+    past the end repeats its own period."""
     root = int(tokens[-1])
     length = tokens.shape[0]
     if depth < 1 or starts.shape[0] == 0:
@@ -136,9 +147,10 @@ def continuation_tree(
     log_stop = np.log(stop_prob) if stop_prob > 0 else -np.inf
     for j in range(depth):
         children = []
+        prior = prior_count / float(match_len + j) ** length_power
         for node, rows, logf in frontier:
             vals, inv, counts = np.unique(conts[rows, j], return_inverse=True, return_counts=True)
-            logq = np.log(counts) - np.log(rows.shape[0] + prior_count)
+            logq = np.log(counts) - np.log(rows.shape[0] + prior)
             for c in range(vals.shape[0]):
                 children.append((logf + logq[c], node, int(vals[c]), logq[c], rows[inv == c]))
         children.sort(key=lambda ch: -ch[0])
@@ -197,10 +209,17 @@ class NgramDrafter:
             if u.ingest or depth == 0:
                 trees.append(CandidateTree.root_only(int(idx.tokens[-1])))
                 continue
-            starts, _ = idx.matches(p.scan, p.max_n)
+            starts, k = idx.matches(p.scan, p.max_n)
             trees.append(
                 continuation_tree(
-                    idx.tokens, starts[-p.max_matches :], depth, width, p.prior_count, stop_prob
+                    idx.tokens,
+                    starts[-p.max_matches :],
+                    depth,
+                    width,
+                    p.prior_count,
+                    stop_prob,
+                    k,
+                    p.length_power,
                 )
             )
         return trees

@@ -269,3 +269,22 @@ def test_measure_drafter_reports_each_drafter_on_the_same_continuations(tmp_path
     assert set(model["by_category"]) == set(ngram["by_category"]) == {"summarize", "chat"}
     assert 1.0 <= ngram["mean_emitted"] <= 5.0 and ngram["drafter"] == "ngram"
     assert ngram["drafter_ms_per_draft"] > 0
+
+
+def test_longer_matches_are_trusted_more():
+    """One earlier occurrence either way; the smoothing shrinks with the match length m
+    (and grows m by one per level): q = 1 / (1 + 2.2 / m ** 1.6)."""
+    drafter = NgramDrafter()
+
+    def chain(toks: list[int]) -> np.ndarray:
+        arr = np.asarray(toks, np.int32)
+        (tree,) = drafter.speculate([DraftUpdate("a", arr, len(arr))], 2, 1)
+        return np.exp(tree.logprobs[1:])
+
+    def q(m: int) -> float:
+        return 1.0 / (1.0 + 2.2 / m**1.6)
+
+    assert chain([7, 9, 8, 5, 6, 8]) == pytest.approx([q(1), q(2)])  # "8" matched: k = 1
+    long = chain([1, 2, 3, 4, 8, 5, 6, 1, 2, 3, 4, 8])  # "1 2 3 4 8" matched: k = 5
+    assert long == pytest.approx([q(5), q(6)])
+    assert q(1) == pytest.approx(0.31, abs=0.01) and q(6) == pytest.approx(0.89, abs=0.01)
