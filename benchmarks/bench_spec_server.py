@@ -15,8 +15,16 @@ the script says so when they are not.
 instead of the packed kernel (adaserve/model/cpu_gemm.py), which is MKL's own best case
 for one token: the speculative server is then also compared with that.
 
+`--methods model ngram auto` sends each round once per speculation method to the same
+speculative server (the request field `speculation.method`; adaserve/methods.py), each
+compared with the plain server; without it the server's default method is used (mode
+`speculative`). The plain server runs with speculation off altogether (no drafter, no
+n-gram drafter). `--category summarize|coding|chat|qa` takes the first 8 prompts of that
+category from the held-out distillation prompts (summaries carry their source text)
+instead of the built-in 8 chat prompts.
+
     .venv/bin/python benchmarks/bench_spec_server.py [--concurrency 1 8] [--max-tokens 96]
-        [--plain-cpu-kernel mkl]
+        [--plain-cpu-kernel mkl] [--methods model ngram auto] [--category summarize]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pathlib import Path
 import httpx
 from _server import free_port, start_up, stop_up
 
+HELDOUT = Path(__file__).parents[1] / "adaserve" / "distill" / "prompts" / "heldout.jsonl"
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain what a hash table is in three sentences.",
@@ -45,23 +54,40 @@ PROMPTS = [
 ]
 
 
+def prompt_set(category: str | None) -> list[list[dict]]:
+    """Chat messages of the 8 prompts a run walks."""
+    if category is None:
+        return [[{"role": "user", "content": p}] for p in PROMPTS]
+    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines() if line.strip()]
+    picked = [r["messages"] for r in rows if r.get("category") == category][:8]
+    if not picked:
+        raise SystemExit(f"no held-out prompts of category {category!r}")
+    return picked
+
+
 async def one_round(
-    port: int, concurrency: int, max_tokens: int, first: int = 0
+    port: int,
+    concurrency: int,
+    max_tokens: int,
+    first: int = 0,
+    method: str | None = None,
+    prompts: list[list[dict]] | None = None,
 ) -> tuple[float, int, list[str]]:
+    prompts = prompts or prompt_set(None)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
 
         async def ask(i: int) -> tuple[int, str]:
-            r = await client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "SmolLM2-135M-Instruct",
-                    "messages": [{"role": "user", "content": PROMPTS[(first + i) % len(PROMPTS)]}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                    "tpot_slo_ms": 1000.0,
-                },
-            )
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": prompts[(first + i) % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "tpot_slo_ms": 1000.0,
+            }
+            if method is not None:
+                body["speculation"] = {"method": method}
+            r = await client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
             body = r.json()
             return body["usage"]["completion_tokens"], body["choices"][0]["message"]["content"]
@@ -101,6 +127,19 @@ def main() -> int:
         help="settings YAML for both servers ('' for the defaults)",
     )
     p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=["auto", "model", "ngram", "none"],
+        default=None,
+        help="speculation methods to send to the speculative server (default: its own)",
+    )
+    p.add_argument(
+        "--category",
+        choices=["summarize", "coding", "chat", "qa"],
+        default=None,
+        help="held-out prompts of this category instead of the built-in chat prompts",
+    )
+    p.add_argument(
         "--plain-cpu-kernel",
         choices=["mkl"],
         default=None,
@@ -108,35 +147,42 @@ def main() -> int:
     )
     args = p.parse_args()
 
-    results: dict = {"load_before": os.getloadavg(), "rows": []}
+    results: dict = {"load_before": os.getloadavg(), "rows": [], "category": args.category}
     texts: dict[tuple[str, int], list[str]] = {}
     extra = ["--config", args.config] if args.config else []
+    prompts = prompt_set(args.category)
     # Both servers stay up and rounds alternate (speculative, plain, speculative, ...):
     # an idle server costs nothing, and load drifts on a shared machine hit both alike.
-    modes = {"speculative": args.drafter, "plain": "none"}
-    env: dict[str, dict[str, str]] = {}
+    # Plain: no speculation at all (no drafter, and the n-gram drafter off).
+    off = {"ADASERVE_SPECULATION__NGRAM__ENABLED": "false"}
+    servers = {"speculative": args.drafter, "plain": "none"}
+    env: dict[str, dict[str, str]] = {"plain": off}
     if args.plain_cpu_kernel:
         other = f"plain-{args.plain_cpu_kernel}"
-        modes[other] = "none"
-        env[other] = {"ADASERVE_MODEL__CPU_KERNEL": args.plain_cpu_kernel}
+        servers[other] = "none"
+        env[other] = {**off, "ADASERVE_MODEL__CPU_KERNEL": args.plain_cpu_kernel}
+    # mode -> (server, method): each method is a mode on the one speculative server.
+    spec_modes = {m: ("speculative", m) for m in args.methods} if args.methods else {}
+    spec_modes = spec_modes or {"speculative": ("speculative", None)}
+    modes = {**spec_modes, **{name: (name, None) for name in servers if name != "speculative"}}
     ports: dict[str, int] = {}
     procs: dict[str, subprocess.Popen] = {}
     try:
-        for mode, drafter in modes.items():
+        for name, drafter in servers.items():
             # picked only now: the first server's services take free ports as they start
-            ports[mode] = free_port()
+            ports[name] = free_port()
             up_args = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
-            log = Path(args.out) / f"up-{mode}.log"
-            procs[mode] = start_up(up_args, ports[mode], log, env=env.get(mode))
-            asyncio.run(one_round(ports[mode], 1, 8))  # warm-up
+            log = Path(args.out) / f"up-{name}.log"
+            procs[name] = start_up(up_args, ports[name], log, env=env.get(name))
+            asyncio.run(one_round(ports[name], 1, 8, prompts=prompts))  # warm-up
         for c in args.concurrency:
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
             spent: dict[str, list[tuple[int, float]]] = {mode: [] for mode in modes}
             for k in range(args.repeats):
-                for mode in modes:
+                for mode, (server, method) in modes.items():
                     # round k starts at prompt k * c: one request does not measure one prompt
                     elapsed, tokens, out = asyncio.run(
-                        one_round(ports[mode], c, args.max_tokens, first=k * c)
+                        one_round(ports[server], c, args.max_tokens, k * c, method, prompts)
                     )
                     rates[mode].append(tokens / elapsed)
                     spent[mode].append((tokens, elapsed))
@@ -160,29 +206,33 @@ def main() -> int:
     finally:
         for proc in procs.values():
             stop_up(proc)
-    for base in [m for m in modes if m != "speculative"]:
-        print(f"\nconcurrency  speculative  {base:>9s}   ratio  walk ratio  identical output")
-        for c in args.concurrency:
-            rows = {r["mode"]: r for r in results["rows"] if r["concurrency"] == c}
-            spec, plain = rows["speculative"], rows[base]
-            ratio = statistics.median(
-                a / b for a, b in zip(spec["tokens_per_s"], plain["tokens_per_s"], strict=True)
-            )
-            walk = statistics.median(walk_ratios(spec, plain, max(1, len(PROMPTS) // c)))
-            same = texts[("speculative", c)] == texts[(base, c)]
-            results.setdefault("summary", []).append(
-                {
-                    "concurrency": c,
-                    "baseline": base,
-                    "ratio": ratio,
-                    "walk_ratio": walk,
-                    "identical": same,
-                }
-            )
-            print(
-                f"{c:11d}  {spec['tokens_per_s_median']:11.1f}  "
-                f"{plain['tokens_per_s_median']:9.1f}  {ratio:5.2f}  {walk:10.2f}  {same}"
-            )
+    for base in [m for m in servers if m != "speculative"]:
+        print(
+            f"\n{'mode':>12s}  concurrency  tok/s  {base:>9s}   ratio  walk ratio  identical output"
+        )
+        for mode in spec_modes:
+            for c in args.concurrency:
+                rows = {r["mode"]: r for r in results["rows"] if r["concurrency"] == c}
+                spec, plain = rows[mode], rows[base]
+                ratio = statistics.median(
+                    a / b for a, b in zip(spec["tokens_per_s"], plain["tokens_per_s"], strict=True)
+                )
+                walk = statistics.median(walk_ratios(spec, plain, max(1, len(prompts) // c)))
+                same = texts[(mode, c)] == texts[(base, c)]
+                results.setdefault("summary", []).append(
+                    {
+                        "mode": mode,
+                        "concurrency": c,
+                        "baseline": base,
+                        "ratio": ratio,
+                        "walk_ratio": walk,
+                        "identical": same,
+                    }
+                )
+                print(
+                    f"{mode:>12s}  {c:11d}  {spec['tokens_per_s_median']:5.1f}  "
+                    f"{plain['tokens_per_s_median']:9.1f}  {ratio:5.2f}  {walk:10.2f}  {same}"
+                )
     print(
         "(ratio: median over rounds of speculative / the baseline round beside it;\n"
         " walk ratio: median over passes through the prompt set of the two servers'\n"

@@ -39,3 +39,14 @@ def test_walk_ratio_is_throughput_over_each_pass(bench) -> None:
     assert bench.walk_ratios(spec, base, 1) == pytest.approx([2.0, 1.0, 2.0, 1.0])
     # A trailing partial pass is left out.
     assert len(bench.walk_ratios(_row([1.0] * 5), _row([1.0] * 5), 2)) == 2
+
+
+def test_prompt_sets(bench) -> None:
+    builtin = bench.prompt_set(None)
+    assert [m[0]["content"] for m in builtin] == bench.PROMPTS
+    summaries = bench.prompt_set("summarize")
+    assert len(summaries) == 8
+    # the source to summarize is in the prompt: what the n-gram drafter copies from
+    assert all(len(m[-1]["content"]) > 200 for m in summaries)
+    with pytest.raises(SystemExit):
+        bench.prompt_set("poetry")

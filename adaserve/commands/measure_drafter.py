@@ -13,7 +13,7 @@ are simulated draft by draft and whose cost is the mean time of one depth-`--dep
 draft.
 
     adaserve measure-drafter --target embedded --drafter embedded --limit 48
-    adaserve measure-drafter --drafter embedded ngram --limit 385 --json
+    adaserve measure-drafter --drafter embedded ngram --per-category 12 --json
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'messages' rows")
     p.add_argument("--limit", type=int, default=48, help="prompts to use (spread over the file)")
+    p.add_argument(
+        "--per-category",
+        type=int,
+        default=None,
+        help="instead of --limit: the first N prompts of each category",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=16, help="prompts per target generation batch")
@@ -56,8 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _pick(rows: list[dict], limit: int) -> list[dict]:
+def _pick(rows: list[dict], limit: int, per_category: int | None = None) -> list[dict]:
     rows = [r for r in rows if "messages" in r]
+    if per_category is not None:
+        seen: dict[str, int] = defaultdict(int)
+        picked = []
+        for r in rows:
+            cat = r.get("category", "all")
+            if seen[cat] < per_category:
+                seen[cat] += 1
+                picked.append(r)
+        return picked
     if limit >= len(rows):
         return rows
     step = len(rows) / limit  # spread over the file, which mixes categories
@@ -76,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         target_dir = resolve_model(args.target, "target")
-        rows = _pick(read_prompt_file(args.prompts), args.limit)
+        rows = _pick(read_prompt_file(args.prompts), args.limit, args.per_category)
         tok = load_tokenizer(args.target)
         prompts = [
             tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
