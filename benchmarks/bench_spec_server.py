@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -96,6 +97,43 @@ async def one_round(
         results = await asyncio.gather(*(ask(i) for i in range(concurrency)))
         elapsed = time.perf_counter() - t0
     return elapsed, sum(n for n, _ in results), [t for _, t in results]
+
+
+COUNTERS = {
+    "adaserve_spec_decode_method_steps_total": "steps",
+    "adaserve_spec_decode_method_emitted_tokens_total": "emitted",
+    "adaserve_spec_decode_method_draft_tokens_total": "draft",
+    "adaserve_spec_decode_method_accepted_tokens_total": "accepted",
+}
+
+
+def method_counters(url: str) -> dict[str, float]:
+    """{"steps/ngram": ..., "emitted/ngram": ...} from an engine's metrics endpoint."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        name, _, rest = line.partition('{method="')
+        if name in COUNTERS and rest:
+            method, _, value = rest.partition('"} ')
+            out[f"{COUNTERS[name]}/{method}"] = float(value)
+    return out
+
+
+def step_summary(delta: dict[str, float]) -> dict:
+    """Tokens per verification step (a request's, bonus included) and the share of
+    steps each source drafted, from counter differences."""
+    total = {
+        k: sum(v for key, v in delta.items() if key.startswith(k + "/")) for k in COUNTERS.values()
+    }
+    sources = {
+        key.split("/", 1)[1]: round(v / total["steps"], 2)
+        for key, v in sorted(delta.items())
+        if key.startswith("steps/") and v > 0
+    }
+    return {
+        "tokens_per_step": total["emitted"] / total["steps"] if total["steps"] else 1.0,
+        "acceptance": total["accepted"] / total["draft"] if total["draft"] else 0.0,
+        "sources": sources,
+    }
 
 
 def walk_ratios(spec: dict, base: dict, rounds_per_pass: int) -> list[float]:
@@ -166,28 +204,44 @@ def main() -> int:
     spec_modes = spec_modes or {"speculative": ("speculative", None)}
     modes = {**spec_modes, **{name: (name, None) for name in servers if name != "speculative"}}
     ports: dict[str, int] = {}
+    metrics_urls: dict[str, str] = {}
     procs: dict[str, subprocess.Popen] = {}
+    # Per mode and concurrency: the engine's per-method counters over its own rounds
+    # (rounds run one at a time, so the differences are that mode's): load-free.
+    steps: dict[tuple[str, int], dict[str, float]] = {}
     try:
         for name, drafter in servers.items():
             # picked only now: the first server's services take free ports as they start
             ports[name] = free_port()
             up_args = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
+            # each server its own engine metrics port (the default 9400 would collide)
+            metrics_port = free_port()
+            metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
+            up_args += ["--metrics-port", str(metrics_port)]
             log = Path(args.out) / f"up-{name}.log"
             procs[name] = start_up(up_args, ports[name], log, env=env.get(name))
-            asyncio.run(one_round(ports[name], 1, 8, prompts=prompts))  # warm-up
+            # Warm-up, and every prompt once into the prefix cache: otherwise the mode
+            # that sends a prompt first pays its prefill and the later ones do not.
+            asyncio.run(one_round(ports[name], len(prompts), 1, prompts=prompts))
         for c in args.concurrency:
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
             spent: dict[str, list[tuple[int, float]]] = {mode: [] for mode in modes}
             for k in range(args.repeats):
                 for mode, (server, method) in modes.items():
                     # round k starts at prompt k * c: one request does not measure one prompt
+                    before = method_counters(metrics_urls[server])
                     elapsed, tokens, out = asyncio.run(
                         one_round(ports[server], c, args.max_tokens, k * c, method, prompts)
                     )
+                    after = method_counters(metrics_urls[server])
+                    acc = steps.setdefault((mode, c), {})
+                    for key, value in after.items():
+                        acc[key] = acc.get(key, 0.0) + value - before.get(key, 0.0)
                     rates[mode].append(tokens / elapsed)
                     spent[mode].append((tokens, elapsed))
                     texts[(mode, c)] = out
             for mode in modes:
+                per_step = step_summary(steps.get((mode, c), {}))
                 results["rows"].append(
                     {
                         "mode": mode,
@@ -196,11 +250,14 @@ def main() -> int:
                         "tokens_per_s": rates[mode],
                         "tokens": [n for n, _ in spent[mode]],
                         "elapsed_s": [t for _, t in spent[mode]],
+                        **per_step,
                     }
                 )
                 print(
                     f"{mode:12s} concurrency {c:3d}: {statistics.median(rates[mode]):7.1f} tok/s "
-                    f"(runs {', '.join(f'{r:.1f}' for r in rates[mode])})",
+                    f"(runs {', '.join(f'{r:.1f}' for r in rates[mode])}); "
+                    f"{per_step['tokens_per_step']:.2f} tokens per step, "
+                    f"trees from {per_step['sources']}",
                     flush=True,
                 )
     finally:
@@ -217,7 +274,8 @@ def main() -> int:
                 ratio = statistics.median(
                     a / b for a, b in zip(spec["tokens_per_s"], plain["tokens_per_s"], strict=True)
                 )
-                walk = statistics.median(walk_ratios(spec, plain, max(1, len(prompts) // c)))
+                walks = walk_ratios(spec, plain, max(1, len(prompts) // c))
+                walk = statistics.median(walks) if walks else math.nan  # no whole pass
                 same = texts[(mode, c)] == texts[(base, c)]
                 results.setdefault("summary", []).append(
                     {

@@ -50,3 +50,19 @@ def test_prompt_sets(bench) -> None:
     assert all(len(m[-1]["content"]) > 200 for m in summaries)
     with pytest.raises(SystemExit):
         bench.prompt_set("poetry")
+
+
+def test_step_summary_from_counter_differences(bench) -> None:
+    delta = {
+        "steps/ngram": 30.0,
+        "emitted/ngram": 75.0,
+        "draft/ngram": 60.0,
+        "accepted/ngram": 45.0,
+        "steps/none": 10.0,
+        "emitted/none": 10.0,
+    }
+    got = bench.step_summary(delta)
+    assert got["tokens_per_step"] == pytest.approx(85 / 40)
+    assert got["acceptance"] == pytest.approx(45 / 60)
+    assert got["sources"] == {"ngram": 0.75, "none": 0.25}
+    assert bench.step_summary({})["tokens_per_step"] == 1.0
