@@ -73,6 +73,7 @@ async def one_round(
     first: int = 0,
     method: str | None = None,
     prompts: list[list[dict]] | None = None,
+    ignore_eos: bool = True,
 ) -> tuple[float, int, list[str]]:
     prompts = prompts or prompt_set(None)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
@@ -83,7 +84,7 @@ async def one_round(
                 "messages": prompts[(first + i) % len(prompts)],
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
-                "ignore_eos": True,
+                "ignore_eos": ignore_eos,
                 "tpot_slo_ms": 1000.0,
             }
             if method is not None:
@@ -178,6 +179,12 @@ def main() -> int:
         help="held-out prompts of this category instead of the built-in chat prompts",
     )
     p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each answer at end-of-text (default: ignore it, every round the same "
+        "length; the text past it repeats itself, which flatters the n-gram drafter)",
+    )
+    p.add_argument(
         "--plain-cpu-kernel",
         choices=["mkl"],
         default=None,
@@ -231,7 +238,15 @@ def main() -> int:
                     # round k starts at prompt k * c: one request does not measure one prompt
                     before = method_counters(metrics_urls[server])
                     elapsed, tokens, out = asyncio.run(
-                        one_round(ports[server], c, args.max_tokens, k * c, method, prompts)
+                        one_round(
+                            ports[server],
+                            c,
+                            args.max_tokens,
+                            k * c,
+                            method,
+                            prompts,
+                            not args.stop_at_eos,
+                        )
                     )
                     after = method_counters(metrics_urls[server])
                     acc = steps.setdefault((mode, c), {})
