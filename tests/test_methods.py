@@ -10,9 +10,10 @@ import collections
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from adaserve import metrics
-from adaserve.config import load_settings
+from adaserve.config import Settings, load_settings
 from adaserve.engine import Engine
 from adaserve.methods import choose_source, scale_f
 from adaserve.model.loader import load_runner
@@ -233,6 +234,17 @@ def test_bad_and_unavailable_methods_are_refused_naming_the_field(target_dir):
     engine.submit(GenerationRequest("b", (1, 2), SamplingParams(), 50.0, speculation="ngram"))
     off = make_engine(target_dir, target_dir, engine={"speculation": False})
     assert off.info().speculation_methods == ("auto", "none")
+
+
+def test_eagle_is_refused_as_a_configured_method():
+    # No EAGLE drafter ships (issue 25): a deployment default or an SLO class naming it
+    # would refuse every request, so the configuration itself is refused.
+    with pytest.raises(ValidationError, match="'eagle' is not available"):
+        Settings.model_validate({"speculation": {"default_method": "eagle"}})
+    with pytest.raises(ValidationError, match="'eagle' is not available"):
+        Settings.model_validate(
+            {"slo": {"classes": {"x": {"tpot_ms": 50.0, "speculation": "eagle"}}}}
+        )
 
 
 # ---- auto: the load and the SLO ---------------------------------------------------
