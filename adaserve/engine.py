@@ -134,7 +134,6 @@ class _Request:
     ngram_len: int = 0  # tokens the n-gram drafter holds
     method: str = "auto"  # speculation method asked for (adaserve/methods.py)
     source: str = "none"  # what drafted this iteration's tree (methods.SOURCES)
-    preemptions: int = 0
     finished: bool = False
 
     @property
@@ -285,6 +284,7 @@ class Engine:
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
         self._optimal_invalid_logged = False
+        self.preemptions = 0  # requests preempted so far (the metric counts them too)
         # (TTFT deadline s, prompt tokens left) of every prompt waiting for or in prefill,
         # republished by the loop thread each step: submit reads it to judge a TTFT SLO.
         self._prefill_queue: tuple[tuple[float, int], ...] = ()
@@ -461,6 +461,7 @@ class Engine:
                     r.req.priority,
                     r.arrival * 1000.0,
                     r.prefilled,
+                    r.req.ttft_slo_ms is not None and r.num_generated == 0,
                 )
                 for r in prefilling
             ],
@@ -758,7 +759,7 @@ class Engine:
         self._release_drafts(r)
         r.prefilled = 0
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
-        r.preemptions += 1
+        self.preemptions += 1
         del self._running[r.req.id]
         self._waiting.append(r)
         metrics.preemptions_total.inc()
