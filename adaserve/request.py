@@ -13,6 +13,8 @@ from dataclasses import dataclass
 # Why a request's stream ended (TokenDelta.finish_reason; None while it runs). The one
 # list of them: the wire mapping (services/common/convert.py) is checked against it.
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+# What drafts a request's trees (adaserve/methods.py says what each means).
+SPECULATION_METHODS = ("auto", "model", "eagle", "ngram", "none")
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,15 @@ class GenerationRequest:
     priority: int = 0  # vLLM-style: lower runs first when admission queues
     timeout_s: float | None = None  # deadline from submission; expired -> aborted everywhere
     ttft_slo_ms: float | None = None  # time to first token from submission; None: no SLO
+    # Speculation method (adaserve/methods.py); None: the SLO class's, else the default.
+    speculation: str | None = None
 
     def __post_init__(self) -> None:
+        if self.speculation is not None and self.speculation not in SPECULATION_METHODS:
+            raise ValueError(
+                f"speculation.method must be one of {', '.join(SPECULATION_METHODS)}; "
+                f"got {self.speculation!r}"
+            )
         if not isinstance(self.id, str) or not self.id:
             raise ValueError("request id must be a non-empty string")
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

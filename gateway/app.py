@@ -221,6 +221,7 @@ def slo_info(info: vpb.InfoResponse) -> dict[str, Any]:
         },
         "slo_floor_ms": round(info.slo_floor_ms, 3),
         "speculative": info.speculative,
+        "speculation_methods": list(info.speculation_methods),
     }
 
 

@@ -39,6 +39,12 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class SpeculationOptions(_Body):
+    """adaserve extra: what drafts the request's trees (adaserve/methods.py)."""
+
+    method: Literal["auto", "model", "eagle", "ngram", "none"]
+
+
 class _Common(_Body):
     """Fields shared by both endpoints."""
 
@@ -65,6 +71,7 @@ class _Common(_Body):
     priority: int = Field(default=0, ge=-_INT32_MAX, le=_INT32_MAX)
     request_id: str | None = None
     timeout: FiniteFloat | None = Field(default=None, gt=0.0, le=86_400.0)
+    speculation: SpeculationOptions | None = None
 
     @field_validator("stop")
     @classmethod

@@ -19,6 +19,7 @@ from adaserve.config import Settings
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.errors import bad_request
 from gateway.openai_schemas import REQUEST_ID_RE, ChatCompletionRequest, CompletionRequest
+from services.common.convert import speculation_method_to_pb
 
 SLO_HEADER = "x-slo-tpot-ms"
 TTFT_HEADER = "x-slo-ttft-ms"
@@ -56,6 +57,7 @@ class GenerateSpec:
     priority: int = 0
     timeout_s: float | None = None
     client_request_id: str | None = None
+    speculation: str | None = None  # method; None: the SLO class's, else the unit's default
     # The verifier's request id: always fresh, so clients reusing an id never collide.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -115,6 +117,7 @@ class GenerateSpec:
             priority=self.priority,
             timeout_s=self.timeout_s or 0.0,
             client_request_id=self.client_request_id or "",
+            speculation_method=speculation_method_to_pb(self.speculation),
             prefix_keys=self.prefix_keys,
         )
         if self.messages is not None:
@@ -216,6 +219,7 @@ def _common(
         priority=body.priority,
         timeout_s=body.timeout,
         client_request_id=body.request_id or header_request_id(headers),
+        speculation=body.speculation.method if body.speculation else None,
     )
 
 

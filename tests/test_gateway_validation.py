@@ -93,6 +93,10 @@ BAD = [
     ("chat/completions", {**CHAT, "logprobs": True}, None),
     ("chat/completions", {**CHAT, "frequency_penalty": 1.0}, None),
     ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None),
+    ("completions", {"prompt": "x", "speculation": {"method": "fast"}}, "speculation.method"),
+    ("chat/completions", {**CHAT, "speculation": {"method": 3}}, "speculation.method"),
+    ("chat/completions", {**CHAT, "speculation": {}}, "speculation.method"),
+    ("chat/completions", {**CHAT, "speculation": "ngram"}, "speculation"),
 ]
 
 

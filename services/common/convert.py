@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaserve.request import FINISH_REASONS
+from adaserve.request import FINISH_REASONS, SPECULATION_METHODS
 from adaserve.routing import UnitLoad
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from adaserve.selection import (
@@ -61,6 +61,31 @@ _FINISH_TO_PB = {
 }
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 assert set(_FINISH_TO_PB) == {None, *FINISH_REASONS}
+
+
+_METHOD_TO_PB = {
+    None: verifier_pb2.SPECULATION_METHOD_UNSPECIFIED,  # the class's, else the default
+    "auto": verifier_pb2.SPECULATION_METHOD_AUTO,
+    "model": verifier_pb2.SPECULATION_METHOD_MODEL,
+    "eagle": verifier_pb2.SPECULATION_METHOD_EAGLE,
+    "ngram": verifier_pb2.SPECULATION_METHOD_NGRAM,
+    "none": verifier_pb2.SPECULATION_METHOD_NONE,
+}
+_METHOD_FROM_PB = {v: k for k, v in _METHOD_TO_PB.items()}
+assert set(_METHOD_TO_PB) == {None, *SPECULATION_METHODS}
+
+
+def speculation_method_to_pb(method: str | None) -> int:
+    return _METHOD_TO_PB[method]
+
+
+def speculation_method_from_pb(value: int) -> str | None:
+    """The method a request asks for (None: unspecified); WireError naming the field
+    for a value this build does not know."""
+    try:
+        return _METHOD_FROM_PB[value]
+    except KeyError:
+        raise WireError(f"speculation.method: unknown enum value {value}") from None
 
 
 class WireError(ValueError):

@@ -34,7 +34,11 @@ from adaserve.routing import PrefixLog
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from adaserve.slo import describe
-from services.common.convert import finish_reason_to_pb, load_to_pb
+from services.common.convert import (
+    finish_reason_to_pb,
+    load_to_pb,
+    speculation_method_from_pb,
+)
 from services.common.server import GrpcServer, Service
 
 log = logging.getLogger("adaserve.verifier")
@@ -80,6 +84,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             priority=request.priority,
             timeout_s=request.timeout_s or None,
             ttft_slo_ms=slo.ttft_ms,
+            speculation=speculation_method_from_pb(request.speculation_method),
         )
         try:
             stream = self.engine.submit(req)
@@ -153,6 +158,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 for name, cls in self.settings.slo.classes.items()
                 if cls.ttft_ms is not None
             },
+            speculation_methods=list(info.speculation_methods),
         )
 
     async def Stats(

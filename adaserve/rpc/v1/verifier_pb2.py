@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61\x64\x61serve/rpc/v1/verifier.proto\x12\x0f\x61\x64\x61serve.rpc.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"]\n\x0c\x43hatMessages\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.adaserve.rpc.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xad\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xe3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ChatMessagesH\x00\x12.\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x19.adaserve.rpc.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x05 \x01(\x0b\x32\x1f.adaserve.rpc.v1.SamplingParams\x12\x13\n\x0btpot_slo_ms\x18\x06 \x01(\x01\x12\x11\n\tslo_class\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x19\n\x11\x63lient_request_id\x18\n \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0b \x01(\x01\x12\x13\n\x0bprefix_keys\x18\x0c \x03(\x06\x42\x08\n\x06prompt\"\xe8\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.adaserve.rpc.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rnum_generated\x18\x05 \x01(\x05\x12\x14\n\x07ttft_ms\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0btpot_slo_ms\x18\x07 \x01(\x01\x12\x11\n\tslo_class\x18\x08 \x01(\t\x12\x13\n\x0b\x62\x65st_effort\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x19\n\x11server_elapsed_ms\x18\x0b \x01(\x01\x12\x14\n\x0cslo_floor_ms\x18\x0c \x01(\x01\x12\x1a\n\x12\x62\x65st_effort_reason\x18\r \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0e \x01(\x01\x42\n\n\x08_ttft_ms\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\r\n\x0bInfoRequest\"\xd3\x03\n\x0cInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x18\n\x10\x62\x61seline_tpot_ms\x18\x03 \x01(\x01\x12\x42\n\x0bslo_classes\x18\x04 \x03(\x0b\x32-.adaserve.rpc.v1.InfoResponse.SloClassesEntry\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x05 \x01(\t\x12\n\n\x02tp\x18\x06 \x01(\x05\x12\x13\n\x0bspeculative\x18\x07 \x01(\x08\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x14\n\x0cslo_floor_ms\x18\n \x01(\x01\x12L\n\x11slo_class_ttft_ms\x18\x0b \x03(\x0b\x32\x31.adaserve.rpc.v1.InfoResponse.SloClassTtftMsEntry\x1a\x31\n\x0fSloClassesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13SloClassTtftMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x16\n\x14VerifierStatsRequest\"\xa9\x01\n\x15VerifierStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x05\x12\x12\n\niterations\x18\x05 \x01(\x03\x12\x17\n\x0f\x64rafter_healthy\x18\x06 \x01(\x08\x12\x19\n\x11scheduler_healthy\x18\x07 \x01(\x08\"\"\n\x0bLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x01\"0\n\tBatchTpot\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\"\xc5\x02\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x13\n\x0bmax_running\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12.\n\ntpot_curve\x18\x05 \x03(\x0b\x32\x1a.adaserve.rpc.v1.BatchTpot\x12\x17\n\x0ftightest_slo_ms\x18\x06 \x01(\x01\x12\x1c\n\x14prefill_queue_tokens\x18\x07 \x01(\x03\x12\x1c\n\x14prefill_ms_per_token\x18\x08 \x01(\x01\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x13\n\x0bloop_age_ms\x18\n \x01(\x01\x12\x13\n\x0bprefix_keys\x18\x0b \x03(\x06\x12\x14\n\x0cprefix_reset\x18\x0c \x01(\x08\x12\x17\n\x0fprefix_capacity\x18\r \x01(\x05*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x84\x03\n\x08Verifier\x12N\n\x08Generate\x12 .adaserve.rpc.v1.GenerateRequest\x1a\x1e.adaserve.rpc.v1.GenerateChunk0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.adaserve.rpc.v1.AbortRequest\x1a\x1e.adaserve.rpc.v1.AbortResponse\x12\x43\n\x04Info\x12\x1c.adaserve.rpc.v1.InfoRequest\x1a\x1d.adaserve.rpc.v1.InfoResponse\x12V\n\x05Stats\x12%.adaserve.rpc.v1.VerifierStatsRequest\x1a&.adaserve.rpc.v1.VerifierStatsResponse\x12\x43\n\x04Load\x12\x1c.adaserve.rpc.v1.LoadRequest\x1a\x1b.adaserve.rpc.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61\x64\x61serve/rpc/v1/verifier.proto\x12\x0f\x61\x64\x61serve.rpc.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"]\n\x0c\x43hatMessages\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.adaserve.rpc.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xad\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xa3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ChatMessagesH\x00\x12.\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x19.adaserve.rpc.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x05 \x01(\x0b\x32\x1f.adaserve.rpc.v1.SamplingParams\x12\x13\n\x0btpot_slo_ms\x18\x06 \x01(\x01\x12\x11\n\tslo_class\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x19\n\x11\x63lient_request_id\x18\n \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0b \x01(\x01\x12\x13\n\x0bprefix_keys\x18\x0c \x03(\x06\x12>\n\x12speculation_method\x18\r \x01(\x0e\x32\".adaserve.rpc.v1.SpeculationMethodB\x08\n\x06prompt\"\xe8\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.adaserve.rpc.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rnum_generated\x18\x05 \x01(\x05\x12\x14\n\x07ttft_ms\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0btpot_slo_ms\x18\x07 \x01(\x01\x12\x11\n\tslo_class\x18\x08 \x01(\t\x12\x13\n\x0b\x62\x65st_effort\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x19\n\x11server_elapsed_ms\x18\x0b \x01(\x01\x12\x14\n\x0cslo_floor_ms\x18\x0c \x01(\x01\x12\x1a\n\x12\x62\x65st_effort_reason\x18\r \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0e \x01(\x01\x42\n\n\x08_ttft_ms\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\r\n\x0bInfoRequest\"\xf0\x03\n\x0cInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x18\n\x10\x62\x61seline_tpot_ms\x18\x03 \x01(\x01\x12\x42\n\x0bslo_classes\x18\x04 \x03(\x0b\x32-.adaserve.rpc.v1.InfoResponse.SloClassesEntry\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x05 \x01(\t\x12\n\n\x02tp\x18\x06 \x01(\x05\x12\x13\n\x0bspeculative\x18\x07 \x01(\x08\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x14\n\x0cslo_floor_ms\x18\n \x01(\x01\x12L\n\x11slo_class_ttft_ms\x18\x0b \x03(\x0b\x32\x31.adaserve.rpc.v1.InfoResponse.SloClassTtftMsEntry\x12\x1b\n\x13speculation_methods\x18\x0c \x03(\t\x1a\x31\n\x0fSloClassesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13SloClassTtftMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x16\n\x14VerifierStatsRequest\"\xa9\x01\n\x15VerifierStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x05\x12\x12\n\niterations\x18\x05 \x01(\x03\x12\x17\n\x0f\x64rafter_healthy\x18\x06 \x01(\x08\x12\x19\n\x11scheduler_healthy\x18\x07 \x01(\x08\"\"\n\x0bLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x01\"0\n\tBatchTpot\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\"\xc5\x02\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x13\n\x0bmax_running\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12.\n\ntpot_curve\x18\x05 \x03(\x0b\x32\x1a.adaserve.rpc.v1.BatchTpot\x12\x17\n\x0ftightest_slo_ms\x18\x06 \x01(\x01\x12\x1c\n\x14prefill_queue_tokens\x18\x07 \x01(\x03\x12\x1c\n\x14prefill_ms_per_token\x18\x08 \x01(\x01\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x13\n\x0bloop_age_ms\x18\n \x01(\x01\x12\x13\n\x0bprefix_keys\x18\x0b \x03(\x06\x12\x14\n\x0cprefix_reset\x18\x0c \x01(\x08\x12\x17\n\x0fprefix_capacity\x18\r \x01(\x05*\xcb\x01\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_AUTO\x10\x01\x12\x1c\n\x18SPECULATION_METHOD_MODEL\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_EAGLE\x10\x03\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x04\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x05*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x84\x03\n\x08Verifier\x12N\n\x08Generate\x12 .adaserve.rpc.v1.GenerateRequest\x1a\x1e.adaserve.rpc.v1.GenerateChunk0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.adaserve.rpc.v1.AbortRequest\x1a\x1e.adaserve.rpc.v1.AbortResponse\x12\x43\n\x04Info\x12\x1c.adaserve.rpc.v1.InfoRequest\x1a\x1d.adaserve.rpc.v1.InfoResponse\x12V\n\x05Stats\x12%.adaserve.rpc.v1.VerifierStatsRequest\x1a&.adaserve.rpc.v1.VerifierStatsResponse\x12\x43\n\x04Load\x12\x1c.adaserve.rpc.v1.LoadRequest\x1a\x1b.adaserve.rpc.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFORESPONSE_SLOCLASSESENTRY']._serialized_options = b'8\001'
   _globals['_INFORESPONSE_SLOCLASSTTFTMSENTRY']._loaded_options = None
   _globals['_INFORESPONSE_SLOCLASSTTFTMSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2277
-  _globals['_FINISHREASON']._serialized_end=2449
+  _globals['_SPECULATIONMETHOD']._serialized_start=2370
+  _globals['_SPECULATIONMETHOD']._serialized_end=2573
+  _globals['_FINISHREASON']._serialized_start=2576
+  _globals['_FINISHREASON']._serialized_end=2748
   _globals['_CHATMESSAGE']._serialized_start=51
   _globals['_CHATMESSAGE']._serialized_end=109
   _globals['_CHATMESSAGES']._serialized_start=111
@@ -46,31 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=232
   _globals['_SAMPLINGPARAMS']._serialized_end=405
   _globals['_GENERATEREQUEST']._serialized_start=408
-  _globals['_GENERATEREQUEST']._serialized_end=763
-  _globals['_GENERATECHUNK']._serialized_start=766
-  _globals['_GENERATECHUNK']._serialized_end=1126
-  _globals['_ABORTREQUEST']._serialized_start=1128
-  _globals['_ABORTREQUEST']._serialized_end=1162
-  _globals['_ABORTRESPONSE']._serialized_start=1164
-  _globals['_ABORTRESPONSE']._serialized_end=1179
-  _globals['_INFOREQUEST']._serialized_start=1181
-  _globals['_INFOREQUEST']._serialized_end=1194
-  _globals['_INFORESPONSE']._serialized_start=1197
-  _globals['_INFORESPONSE']._serialized_end=1664
-  _globals['_INFORESPONSE_SLOCLASSESENTRY']._serialized_start=1560
-  _globals['_INFORESPONSE_SLOCLASSESENTRY']._serialized_end=1609
-  _globals['_INFORESPONSE_SLOCLASSTTFTMSENTRY']._serialized_start=1611
-  _globals['_INFORESPONSE_SLOCLASSTTFTMSENTRY']._serialized_end=1664
-  _globals['_VERIFIERSTATSREQUEST']._serialized_start=1666
-  _globals['_VERIFIERSTATSREQUEST']._serialized_end=1688
-  _globals['_VERIFIERSTATSRESPONSE']._serialized_start=1691
-  _globals['_VERIFIERSTATSRESPONSE']._serialized_end=1860
-  _globals['_LOADREQUEST']._serialized_start=1862
-  _globals['_LOADREQUEST']._serialized_end=1896
-  _globals['_BATCHTPOT']._serialized_start=1898
-  _globals['_BATCHTPOT']._serialized_end=1946
-  _globals['_LOADREPORT']._serialized_start=1949
-  _globals['_LOADREPORT']._serialized_end=2274
-  _globals['_VERIFIER']._serialized_start=2452
-  _globals['_VERIFIER']._serialized_end=2840
+  _globals['_GENERATEREQUEST']._serialized_end=827
+  _globals['_GENERATECHUNK']._serialized_start=830
+  _globals['_GENERATECHUNK']._serialized_end=1190
+  _globals['_ABORTREQUEST']._serialized_start=1192
+  _globals['_ABORTREQUEST']._serialized_end=1226
+  _globals['_ABORTRESPONSE']._serialized_start=1228
+  _globals['_ABORTRESPONSE']._serialized_end=1243
+  _globals['_INFOREQUEST']._serialized_start=1245
+  _globals['_INFOREQUEST']._serialized_end=1258
+  _globals['_INFORESPONSE']._serialized_start=1261
+  _globals['_INFORESPONSE']._serialized_end=1757
+  _globals['_INFORESPONSE_SLOCLASSESENTRY']._serialized_start=1653
+  _globals['_INFORESPONSE_SLOCLASSESENTRY']._serialized_end=1702
+  _globals['_INFORESPONSE_SLOCLASSTTFTMSENTRY']._serialized_start=1704
+  _globals['_INFORESPONSE_SLOCLASSTTFTMSENTRY']._serialized_end=1757
+  _globals['_VERIFIERSTATSREQUEST']._serialized_start=1759
+  _globals['_VERIFIERSTATSREQUEST']._serialized_end=1781
+  _globals['_VERIFIERSTATSRESPONSE']._serialized_start=1784
+  _globals['_VERIFIERSTATSRESPONSE']._serialized_end=1953
+  _globals['_LOADREQUEST']._serialized_start=1955
+  _globals['_LOADREQUEST']._serialized_end=1989
+  _globals['_BATCHTPOT']._serialized_start=1991
+  _globals['_BATCHTPOT']._serialized_end=2039
+  _globals['_LOADREPORT']._serialized_start=2042
+  _globals['_LOADREPORT']._serialized_end=2367
+  _globals['_VERIFIER']._serialized_start=2751
+  _globals['_VERIFIER']._serialized_end=3139
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_METHOD_UNSPECIFIED: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_AUTO: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_MODEL: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_EAGLE: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_NGRAM: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_NONE: _ClassVar[SpeculationMethod]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -15,6 +24,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_TIMEOUT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+SPECULATION_METHOD_UNSPECIFIED: SpeculationMethod
+SPECULATION_METHOD_AUTO: SpeculationMethod
+SPECULATION_METHOD_MODEL: SpeculationMethod
+SPECULATION_METHOD_EAGLE: SpeculationMethod
+SPECULATION_METHOD_NGRAM: SpeculationMethod
+SPECULATION_METHOD_NONE: SpeculationMethod
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -67,7 +82,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "tpot_slo_ms", "slo_class", "priority", "timeout_s", "client_request_id", "ttft_slo_ms", "prefix_keys")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "tpot_slo_ms", "slo_class", "priority", "timeout_s", "client_request_id", "ttft_slo_ms", "prefix_keys", "speculation_method")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +95,7 @@ class GenerateRequest(_message.Message):
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatMessages
@@ -92,7 +108,8 @@ class GenerateRequest(_message.Message):
     client_request_id: str
     ttft_slo_ms: float
     prefix_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_request_id: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., prefix_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculation_method: SpeculationMethod
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_request_id: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., prefix_keys: _Optional[_Iterable[int]] = ..., speculation_method: _Optional[_Union[SpeculationMethod, str]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated", "ttft_ms", "tpot_slo_ms", "slo_class", "best_effort", "error", "server_elapsed_ms", "slo_floor_ms", "best_effort_reason", "ttft_slo_ms")
@@ -141,7 +158,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids", "slo_floor_ms", "slo_class_ttft_ms")
+    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids", "slo_floor_ms", "slo_class_ttft_ms", "speculation_methods")
     class SloClassesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +184,7 @@ class InfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SLO_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_METHODS_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     baseline_tpot_ms: float
@@ -178,7 +196,8 @@ class InfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     slo_floor_ms: float
     slo_class_ttft_ms: _containers.ScalarMap[str, float]
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., slo_floor_ms: _Optional[float] = ..., slo_class_ttft_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    speculation_methods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., slo_floor_ms: _Optional[float] = ..., slo_class_ttft_ms: _Optional[_Mapping[str, float]] = ..., speculation_methods: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()
