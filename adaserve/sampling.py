@@ -35,6 +35,17 @@ def request_key(seed: int | None) -> int:
     return secrets.randbits(64) if seed is None else seed & _MASK64
 
 
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sequence `index` of an n > 1 request: the request's own for 0, so
+    choice 0 is what n = 1 gives; for the others a SplitMix64 mix of (seed, index),
+    63 bits so it stays a valid int64 on every wire. Unseeded stays unseeded."""
+    if seed is None or index == 0:
+        return seed
+    z = np.asarray([(seed + index * 0x9E3779B97F4A7C15) & _MASK64], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return int(_mix64(z)[0] >> np.uint64(1))
+
+
 def _mix64(z: np.ndarray) -> np.ndarray:
     # SplitMix64 finalizer: a bijection on uint64 with full avalanche.
     z = (z ^ (z >> np.uint64(30))) * _M1
