@@ -283,6 +283,8 @@ async def _serve(
         shape.include_usage,
         logprobs=shape.logprobs,
         tokens_as_ids=spec.tokens_as_ids,
+        tools=spec.tools,
+        tool_format=first.header.tool_call_format,
     )
     best_effort = any(g.header is not None and g.header.best_effort for g in gens)
     headers = {

@@ -41,6 +41,7 @@ class Header:
     best_effort_reason: str | None = None
     ttft_slo_ms: float | None = None
     prompt_text: str = ""  # the prompt decoded by the unit, when echo was asked
+    tool_call_format: str = "hermes"  # how the unit's model writes tool calls
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class Generation:
             best_effort_reason=first.best_effort_reason or None,
             ttft_slo_ms=first.ttft_slo_ms or None,
             prompt_text=first.prompt_text,
+            tool_call_format=(unit.info.tool_call_format if unit.info else "") or "hermes",
         )
         self.best_effort = first.best_effort
 

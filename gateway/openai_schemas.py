@@ -186,10 +186,6 @@ _REFUSED_CHAT = {
     "chat_template": _refuse(lambda v: v is not None, "a custom chat_template is not supported"),
     "chat_template_kwargs": _refuse(_set, "chat_template_kwargs is not supported"),
     "mm_processor_kwargs": _refuse(lambda v: v is not None, "mm_processor_kwargs is not supported"),
-    "tools": _refuse(_set, "tools are not supported yet"),
-    "tool_choice": _refuse(
-        lambda v: v not in (None, "none", "auto"), "tools are not supported yet"
-    ),
 }
 _REFUSED_COMPLETION = {
     "suffix": _refuse(_set, "suffix is not supported"),
@@ -305,9 +301,6 @@ class _Common(_Body):
                     "structured_outputs.whitespace_pattern",
                     "whitespace_pattern is not supported",
                 )
-        for i, m in enumerate(getattr(self, "messages", None) or []):
-            if m.tool_calls:
-                return f"messages.{i}.tool_calls", "tool calls are not supported yet"
         opts = self.stream_options
         if opts is not None and opts.continuous_usage_stats:
             return (

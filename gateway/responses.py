@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.core import Chunk
+from gateway.tools import ToolPlan, ToolStream, parse
 
 DONE_FRAME = "data: [DONE]\n\n"
 
@@ -51,6 +52,7 @@ class _Choice:
     pending: list[dict[str, Any]] = field(default_factory=list)  # chat logprob entries
     pending_completion: dict[str, list[Any]] = field(default_factory=dict)
     logprob_sum: float = 0.0  # cumulative logprob of the sequence (best_of ranks by it)
+    tools: ToolStream | None = None  # streamed chat with tools: content vs tool calls
 
 
 class Formatter:
@@ -65,6 +67,8 @@ class Formatter:
         *,
         logprobs: bool = False,
         tokens_as_ids: bool = False,
+        tools: ToolPlan | None = None,
+        tool_format: str = "hermes",
     ) -> None:
         self.kind = kind
         self.id = response_id
@@ -73,6 +77,8 @@ class Formatter:
         self.include_usage = include_usage
         self.logprobs = logprobs  # the client asked for them (best_of asks regardless)
         self.tokens_as_ids = tokens_as_ids
+        self.tools = tools
+        self.tool_format = tool_format
         self.choices: dict[int, _Choice] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,7 +94,12 @@ class Formatter:
         return out
 
     def _choice(self, index: int) -> _Choice:
-        return self.choices.setdefault(index, _Choice())
+        ch = self.choices.get(index)
+        if ch is None:
+            ch = self.choices[index] = _Choice()
+            if self.tools is not None and self.kind == "chat":
+                ch.tools = ToolStream(self.tools, self.tool_format)
+        return ch
 
     # -- logprobs ----------------------------------------------------------------------
 
@@ -147,12 +158,20 @@ class Formatter:
         index = c.index if index is None else index
         ch = self._choice(index)
         self._take_logprobs(ch, c)
-        if not c.text and c.finish_reason is None:
-            return None  # tokens whose text is still pending (partial UTF-8, held stop)
+        text, calls = c.text, []
+        if ch.tools is not None:  # chat with tools: what may be a tool call waits
+            text = ch.tools.feed(c.text)
+            if c.finish_reason is not None:
+                rest, calls = ch.tools.finish()
+                text += rest
+        if not text and c.finish_reason is None:
+            return None  # text still pending (partial UTF-8, held stop, maybe a tool call)
         ch.completion_tokens = c.num_generated
         logprobs = self._flush_logprobs(ch)
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": c.text} if c.text else {}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:  # the whole call at once: a valid stream, as the client accumulates
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
             if not ch.role_sent:  # the first frame of this choice
                 delta = {"role": "assistant", **delta}
                 ch.role_sent = True
@@ -160,12 +179,12 @@ class Formatter:
                 "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
+                "finish_reason": "tool_calls" if calls else c.finish_reason,
             }
             return self._envelope("chat.completion.chunk", [choice])
         choice = {
             "index": index,
-            "text": c.text,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": c.finish_reason,
         }
@@ -208,11 +227,18 @@ class Formatter:
         logprobs = self._flush_logprobs(ch)
         text = "".join(ch.text)
         if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = ch.finish_reason
+            if self.tools is not None:
+                content, calls = parse(text, self.tools, self.tool_format)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls"
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": ch.finish_reason,
+                "finish_reason": reason,
             }
         return {
             "index": index,

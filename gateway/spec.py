@@ -25,6 +25,8 @@ from gateway.openai_schemas import (
     TokenizeRequest,
     unknown_fields,
 )
+from gateway.tools import ToolPlan
+from gateway.tools import plan as tool_plan
 
 SLO_HEADER = "x-slo-tpot-ms"
 TTFT_HEADER = "x-slo-ttft-ms"
@@ -38,6 +40,8 @@ class Message:
     role: str
     content: str
     name: str = ""
+    tool_call_id: str = ""  # a tool message: the call it answers
+    tool_calls: tuple[tuple[str, str, str], ...] = ()  # assistant: (id, name, arguments)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class GenerateSpec:
     allowed_token_ids: tuple[int, ...] = ()
     structured: Structured | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" strings
+    tools: ToolPlan | None = None  # chat: the tools, and what tool_choice asks
     # The verifier's request id: always fresh, so clients reusing an id never collide.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -149,8 +154,14 @@ class GenerateSpec:
         if self.messages is not None:
             req.chat.add_generation_prompt = self.add_generation_prompt
             req.chat.continue_final_message = self.continue_final_message
+            if self.tools is not None:
+                req.chat.tools_json = self.tools.tools_json
             for m in self.messages:
-                req.chat.messages.add(role=m.role, content=m.content, name=m.name)
+                msg = req.chat.messages.add(
+                    role=m.role, content=m.content, name=m.name, tool_call_id=m.tool_call_id
+                )
+                for cid, name, arguments in m.tool_calls:
+                    msg.tool_calls.add(id=cid, name=name, arguments=arguments)
         elif self.prompt_token_ids is not None:
             req.token_ids.ids.extend(self.prompt_token_ids)
         else:
@@ -398,7 +409,13 @@ def from_completion(
 def chat_messages(messages: list[ChatMessage]) -> tuple[Message, ...]:
     # "developer" is OpenAI's newer name for the system role; templates know "system".
     return tuple(
-        Message("system" if m.role == "developer" else m.role, m.text, m.name or "")
+        Message(
+            "system" if m.role == "developer" else m.role,
+            m.text,
+            m.name or "",
+            m.tool_call_id or "",
+            tuple((c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()),
+        )
         for m in messages
     )
 
@@ -417,6 +434,15 @@ def from_chat(
     )
     common = _common(body, settings, headers, known)
     common["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    common["tools"] = tools = tool_plan(body)
+    schema = tools.schema() if tools is not None else None
+    if schema is not None:  # a required or named call: grammar-constrained
+        if common["structured"] is not None:
+            raise bad_request(
+                f"tool_choice {tools.mode} cannot be combined with {common['structured'].field}",
+                param="tool_choice",
+            )
+        common["structured"] = Structured("json_schema", json.dumps(schema), "tool_choice")
     return GenerateSpec(
         kind="chat",
         messages=messages,

@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from adaserve.chat import render as chat_render
+from adaserve.chat import tool_call_format
 from adaserve.config import Settings
 from adaserve.engine import Engine, EngineFull
 from adaserve.request import GenerationRequest, SamplingParams, StructuredOutput, TokenDelta
@@ -187,6 +189,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 for name, cls in self.settings.slo.classes.items()
                 if cls.ttft_ms is not None
             },
+            tool_call_format=tool_call_format(self.tokenizer) if self.tokenizer else "",
         )
 
     async def Stats(
@@ -387,19 +390,39 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Toke
 
 
 def _render_chat(tokenizer: Any, chat: vpb.ChatMessages) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: use /v1/completions")
     messages = [
-        {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+        {
+            "role": m.role,
+            "content": m.content,
+            **({"name": m.name} if m.name else {}),
+            **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+            **(
+                {
+                    "tool_calls": [
+                        {"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls
+                    ]
+                }
+                if m.tool_calls
+                else {}
+            ),
+        }
         for m in chat.messages
     ]
-    # Render to text, then encode: the same on every transformers version (tokenize=True
-    # changed its return type), and the template already holds the special tokens.
-    kwargs: dict[str, Any] = {"add_generation_prompt": chat.add_generation_prompt}
-    if chat.continue_final_message:
-        kwargs["continue_final_message"] = True
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    tools = None
+    if chat.tools_json:
+        try:
+            tools = json.loads(chat.tools_json)
+        except ValueError:
+            raise ValueError("tools: not valid JSON") from None
+        if not isinstance(tools, list):
+            raise ValueError("tools: must be a list")
+    return chat_render(
+        tokenizer,
+        messages,
+        tools,
+        add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_final_message,
+    )
 
 
 @dataclass(frozen=True)
