@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from adaserve.logits_process import LogitsContext, process_rows, token_logprobs
+from adaserve.logits_process import LogitsContext, process_rows_, token_logprobs
 from adaserve.request import SamplingParams, TokenLogprobs
 from adaserve.sampling import TokenRng
 from adaserve.tree import CandidateTree
@@ -92,22 +92,24 @@ class TargetModel(Protocol):
     def make_generator(self, seed: int | None) -> TokenRng | None: ...
 
 
-def _processed(logits: torch.Tensor, trees: Sequence[VerifyItem]) -> torch.Tensor:
-    """The trees' logits with each request's processors applied to its own rows (a copy
-    when any request has some; the raw rows stay for logprobs)."""
-    if all(it.logits is None for it in trees):
-        return logits
-    out = logits.clone()
+def _process(logits: torch.Tensor, trees: Sequence[VerifyItem]) -> dict[int, torch.Tensor]:
+    """Applies each request's processors to its own rows of `logits`, in place, and
+    returns (by tree index) the raw rows of the requests that also want logprobs, copied
+    before: logprobs are the model's own distribution."""
+    raw: dict[int, torch.Tensor] = {}
     offset = 0
-    for it in trees:
-        n = len(it.tree)
-        if it.logits is not None:
-            rows = logits[offset : offset + n]
-            out[offset : offset + n] = process_rows(
-                rows, it.tree.parents, it.tree.tokens, it.logits
-            )
-        offset += n
-    return out
+    # The runner's logits are inference tensors: they may be updated in place only in
+    # inference mode.
+    with torch.inference_mode():
+        for i, it in enumerate(trees):
+            n = len(it.tree)
+            if it.logits is not None:
+                rows = logits[offset : offset + n]
+                if it.sampling.logprobs is not None:
+                    raw[i] = rows.clone()
+                process_rows_(rows, it.tree.parents, it.tree.tokens, it.logits)
+            offset += n
+    return raw
 
 
 class RunnerTarget:
@@ -141,10 +143,10 @@ class RunnerTarget:
                 rows.append(pos - 1)
         logits = self.runner.forward(inputs, logits_indices=rows)  # KVCacheFull: nothing done
         n_tree = sum(len(it.tree) for it in trees)
-        raw = logits[:n_tree]
+        raw = _process(logits[:n_tree], trees)
         verified = verify_batch(
             [it.tree for it in trees],
-            _processed(raw, trees),
+            logits[:n_tree],
             [it.sampling for it in trees],
             [it.generator for it in trees],
             eos_token_ids=self.eos_token_ids,
@@ -154,8 +156,9 @@ class RunnerTarget:
         for i, (it, res) in enumerate(zip(trees, verified, strict=True)):
             k = it.sampling.logprobs
             if k is not None:  # each emitted token scored by the row that chose it
-                rows_raw = raw[offset : offset + len(it.tree)][res.accepted_nodes]
-                verified[i] = replace(res, logprobs=token_logprobs(rows_raw, res.emitted_tokens, k))
+                own = raw[i] if i in raw else logits[offset : offset + len(it.tree)]
+                chose = own[torch.as_tensor(res.accepted_nodes, dtype=torch.int64)]
+                verified[i] = replace(res, logprobs=token_logprobs(chose, res.emitted_tokens, k))
             offset += len(it.tree)
             self.runner.commit(it.seq_id, res.accepted_nodes)
         first: list[int | None] = []
@@ -168,14 +171,16 @@ class RunnerTarget:
                 first.append(None)
                 first_lp.append(None)
                 continue
-            row = logits[next(finals_iter)][None]
-            proc = row
-            if c.logits is not None:
-                proc = process_rows(row, root.parents, root.tokens, c.logits)
-            res = verify_tree(root, proc, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
-            first.append(int(res.emitted_tokens[0]))
+            final = next(finals_iter)
+            row = logits[final : final + 1]
             k = c.sampling.logprobs
-            first_lp.append(None if k is None else token_logprobs(row, res.emitted_tokens, k))
+            raw_row = row.clone() if k is not None and c.logits is not None else row
+            if c.logits is not None:
+                with torch.inference_mode():
+                    process_rows_(row, root.parents, root.tokens, c.logits)
+            res = verify_tree(root, row, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
+            first.append(int(res.emitted_tokens[0]))
+            first_lp.append(None if k is None else token_logprobs(raw_row, res.emitted_tokens, k))
         return ForwardResult(verified, first, first_lp)
 
     def free(self, seq_id: str) -> None:
