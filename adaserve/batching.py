@@ -14,10 +14,16 @@ requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
    deadline come next, taken from the throughput trees if need be.
 3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
 4. **The rest of the time to prefill.** An iteration may run longer than its decode
-   work by what the decoding requests can afford: never past the tightest TPOT SLO
-   times the tokens a request expects from its tree, and never more than `stretch`
-   times the decode work alone (a prompt that arrives slows the running streams by at
-   most that factor, whatever their slack).
+   work by at most `stretch` times that work: a prompt that arrives slows the running
+   streams by at most that factor. When the TTFT deadlines need more than the stretch
+   leaves, the iteration may run longer, up to what keeps every decoding request on its
+   TPOT SLO (a request ahead of its SLO has slack to spend).
+
+The stretch is not capped by the TPOT SLOs. A TPOT SLO is an average over the whole
+output, and the prefill work is the same whether it runs now or later: deferring it to
+keep this iteration within every request's slack only delays it into the same
+requests' later iterations, while the prompts wait and miss their TTFT. Capping it did
+exactly that in the simulator (benchmarks/BENCHMARKS.md, unified iteration).
 
 The token counts come from the forward's latency model (`adaserve/latency.py`), not a
 fixed chunk size. While prompts wait, each iteration prefills at least
@@ -57,6 +63,9 @@ class Prefilling:
     priority: int = 0  # vLLM-style: lower first among equal deadlines
     arrival_ms: float = 0.0
     done: int = 0  # prompt tokens already prefilled: where its next chunk starts
+    # The deadline is a TTFT SLO (False: a default that only orders the queue, so the
+    # request is served eventually; it never makes an iteration longer).
+    binding: bool = True
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ class BatchLimits:
     tree_budget: int  # B: the most tree tokens selection may verify (the verify knee)
     max_batch_tokens: int  # the most tokens one forward carries, trees and chunks
     min_prefill_tokens: int  # prefill progress per iteration while prompts wait
-    stretch: float = 1.5  # the most an iteration may outlast its decode work, as a factor
+    stretch: float = 2.0  # the most an iteration may outlast its decode work, as a factor
     depth: int = 0  # planned draft depth this iteration (0: no drafting)
     width: int = 1
     acceptance: float = 0.75  # per drafted token: expected tokens per tree
@@ -125,20 +134,43 @@ def form_batch(
     def with_prefill(t: int, p: int) -> float:
         return forward_ms(t, p, chunk_context(_chunks(order, p), order))
 
-    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
-    slo_ms = min(d.tpot_slo_ms for d in decoding) * expected
-    limit_ms = max(decode_ms, min(limits.stretch * decode_ms, slo_ms))
-    budget_ms = limit_ms - overhead_ms
-    prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
+    # What smoothness prefers (the stretch), and how far TTFT deadlines may push past it.
+    limit_ms = limits.stretch * decode_ms
+    slo_ms = max(decode_ms, _slo_limit_ms(decoding, limits, decode_ms))
+
+    def most_prefill(t: int, limit: float) -> int:
+        return _most(lambda p: with_prefill(t, p), limit - overhead_ms, max(cap - t, 0))
+
+    prefill = most_prefill(trees, limit_ms)
     need = _ttft_need(order, limit_ms, now_ms)
     if need > prefill and trees > slo_tokens:
-        # Deadlines at risk: the throughput trees give way, the SLO trees stay.
-        fit = _most(lambda t: with_prefill(t, need), budget_ms, trees)
+        # Deadlines at risk: the throughput trees give way first (the SLO trees stay)...
+        fit = _most(lambda t: with_prefill(t, need), limit_ms - overhead_ms, trees)
         trees = max(slo_tokens, min(trees, fit))
-        prefill = _most(lambda p: with_prefill(trees, p), budget_ms, max(cap - trees, 0))
+        prefill = most_prefill(trees, limit_ms)
+    if need > prefill and slo_ms > limit_ms:
+        # ... then smoothness: the iteration may outlast the stretch, not the slack.
+        prefill = max(prefill, min(need, most_prefill(trees, slo_ms)))
+        limit_ms = max(limit_ms, with_prefill(trees, prefill) + overhead_ms)
     prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
     chunks = _chunks(order, prefill)
     return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))
+
+
+def _slo_limit_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: float) -> float:
+    """The longest iteration that keeps every decoding request on its TPOT SLO: request
+    r, l_r ms and o_r tokens past its first, expecting E tokens from its tree, is still
+    on schedule after an iteration of T ms when (l_r + T) / (o_r + E) <= t_r, so T <=
+    t_r (o_r + E) - l_r; a request ahead of its SLO has the slack to wait longer.
+    Requests no iteration of the decode work's length can keep on schedule are left out
+    (they need more tokens, not less prefill: selection's SLO phase is for them)."""
+    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
+    slo = np.array([d.tpot_slo_ms for d in decoding])
+    t = slo * (np.array([d.decoded for d in decoding]) + expected) - np.array(
+        [d.elapsed_ms for d in decoding]
+    )
+    saveable = t[t >= decode_ms]
+    return float(saveable.min()) if saveable.size else decode_ms
 
 
 def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:
@@ -164,13 +196,15 @@ def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.nd
 
 
 def _ttft_need(order: Sequence[Prefilling], iteration_ms: float, now_ms: float) -> int:
-    """Prompt tokens this iteration must prefill for every prompt to reach its deadline
-    at this pace, prompts served in `order`: the largest, over the order's prefixes, of
-    the prefix's remaining tokens spread over the iterations left before its deadline
-    (all of them once the deadline has passed)."""
+    """Prompt tokens this iteration must prefill for every prompt with a TTFT SLO to
+    reach its deadline at this pace, prompts served in `order`: the largest, over the
+    order's prefixes ending at such a prompt, of the prefix's remaining tokens spread
+    over the iterations left before its deadline (all of them once it has passed)."""
     need, total = 0.0, 0
     for p in order:
         total += p.remaining
+        if not p.binding:
+            continue
         iterations = (p.deadline_ms - now_ms) / iteration_ms
         need = max(need, total / iterations if iterations > 1 else total)
     return math.ceil(need)

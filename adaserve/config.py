@@ -158,9 +158,10 @@ class EngineSettings(BaseModel):
     # running requests' SLOs: prefill slows down under them but never stops.
     min_prefill_tokens: PositiveInt = 8
     # Prefill chunks may lengthen an iteration to at most this multiple of its decode
-    # work (and never past the running requests' TPOT SLOs): the most a prompt that
-    # arrives slows the streams already running. Higher: faster TTFT, more jitter.
-    prefill_stretch: float = Field(default=1.5, ge=1.0, allow_inf_nan=False)
+    # work: the most a prompt that arrives slows the streams already running (TTFT
+    # deadlines may push further, into the running requests' TPOT slack). Higher:
+    # faster TTFT, more jitter.
+    prefill_stretch: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     # Automatic prefix caching (target and drafter): full KV blocks are shared by
     # requests whose tokens start alike, and kept, least recently used evicted first.
     prefix_caching: bool = True

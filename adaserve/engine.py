@@ -110,7 +110,6 @@ class _Request:
     # last, which roots the next tree again (recompute, not swap).
     prefill_target: int = 0
     drafter_len: int = 0  # tokens the drafter holds as committed
-    preemptions: int = 0
     finished: bool = False
     constraint: Constraint | None = None  # structured output: the grammar's matcher
     prompt_ids: np.ndarray | None = None  # int32 [P], for the logits processors
@@ -259,6 +258,7 @@ class Engine:
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
         self._optimal_invalid_logged = False
+        self.preemptions = 0  # requests preempted so far (the metric counts them too)
         # (TTFT deadline s, prompt tokens left) of every prompt waiting for or in prefill,
         # republished by the loop thread each step: submit reads it to judge a TTFT SLO.
         self._prefill_queue: tuple[tuple[float, int], ...] = ()
@@ -432,6 +432,7 @@ class Engine:
                     r.req.priority,
                     r.arrival * 1000.0,
                     r.prefilled,
+                    r.req.ttft_slo_ms is not None and r.num_generated == 0,
                 )
                 for r in prefilling
             ],
@@ -665,7 +666,7 @@ class Engine:
         r.drafter_len = 0
         r.prefilled = 0
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
-        r.preemptions += 1
+        self.preemptions += 1
         del self._running[r.req.id]
         self._waiting.append(r)
         metrics.preemptions_total.inc()

@@ -40,15 +40,6 @@ def run(args: argparse.Namespace) -> int:
     from services.common.server import new_event_loop
 
     logs.configure(args.log_level, args.log_format)
-    from services.common.ports import PortInUse, check_free
-
-    try:
-        check_free(args.host, args.port, "--port N")
-        if args.grpc_port > 0:
-            check_free(args.host, args.grpc_port, "--grpc-port N (-1 turns the gRPC front off)")
-    except PortInUse as exc:
-        print(f"adaserve gateway: {exc}", file=sys.stderr)
-        return 2
     try:
         settings = load_settings(args.config)
         tls.configure(settings.tls)  # to the units; the public fronts stay as they are
@@ -64,6 +55,17 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError included
         print(f"adaserve gateway: {exc}", file=sys.stderr)
         return 1
+    # After the settings: a mistyped flag is reported as such even when a port is taken
+    # (create_app binds nothing; its lifespan does).
+    from services.common.ports import PortInUse, check_free
+
+    try:
+        check_free(args.host, args.port, "--port N")
+        if args.grpc_port > 0:
+            check_free(args.host, args.grpc_port, "--grpc-port N (-1 turns the gRPC front off)")
+    except PortInUse as exc:
+        print(f"adaserve gateway: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -338,7 +338,12 @@ def test_drafter_killed_mid_stream(dep: Deployment) -> None:
     recs = [StreamRecorder(stub, greedy_request(f"kill-{i}", PROMPTS[i], LONG)) for i in range(4)]
     for r in recs:
         r.wait_tokens(8)
-    assert metric(dep.metrics_a, "adaserve_spec_decode_num_draft_tokens_total") > drafted
+    # Speculating before the kill (on a loaded machine the first iterations may fall back
+    # to plain decoding while a selection call times out, so wait for the first tree).
+    wait_until(
+        "speculation before the kill",
+        lambda: metric(dep.metrics_a, "adaserve_spec_decode_num_draft_tokens_total") > drafted,
+    )
     dep.drafter.kill()
     wait_until("drafter unhealthy", lambda: not verifier_stats(dep.unit_a.address).drafter_healthy)
     seen = sum(len(r.tokens) for r in recs)

@@ -5,6 +5,7 @@ and the official `openai` client sees the documented errors. API keys too."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -349,13 +350,22 @@ def test_api_keys_on_grpc(keyed_gateway: tuple[str, str]) -> None:
     ],
 )
 def test_bad_command_line_fails_cleanly(args: list[str], message: str) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "adaserve.cli", "gateway", "--port", "0", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """The flag's own error wins even when the gRPC port is taken (a busy default port
+    on the user's machine must not hide which flag is wrong)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = str(held.getsockname()[1])
+        r = subprocess.run(
+            [
+                *(sys.executable, "-m", "adaserve.cli", "gateway", "--host", "127.0.0.1"),
+                *("--port", "0", "--grpc-port", taken, *args),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
 
 

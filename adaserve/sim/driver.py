@@ -246,10 +246,15 @@ def _submit(units: list[Unit], req: SimRequest, spec: PolicySpec) -> RequestReco
         unit=unit.index,
         ttft_slo_ms=req.ttft_slo_ms,
     )
+    prompt = req.prompt_ids(unit.target.vocab_size)
+    max_tokens, ignore_eos = req.output_tokens, True
+    if req.open_ended:  # no max_tokens: the rest of the context; eos after its output
+        max_tokens, ignore_eos = unit.engine.max_model_len - len(prompt), False
+        unit.target.stop_after[req.id] = req.output_tokens
     greq = GenerationRequest(
         id=req.id,
-        prompt_token_ids=req.prompt_ids(unit.target.vocab_size),
-        sampling=SamplingParams(max_tokens=req.output_tokens, ignore_eos=True),
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
         tpot_slo_ms=req.tpot_slo_ms,
         slo_class=req.slo_class,
         priority=round(req.tpot_slo_ms * 1000) if spec.priority_by_slo else 0,
@@ -311,6 +316,8 @@ def _extras(units, settings, profile, duration_s, seed, wall_s, workload) -> dic
         ),
         "iterations": iters,
         "mean_batch": float(np.mean([b[0] for b in batches])) if batches else 0.0,
+        "max_batch": max((b[0] for b in batches), default=0),
+        "preemptions": sum(u.engine.preemptions for u in units),
         "mean_tree_tokens": float(np.mean([b[1] for b in batches])) if batches else 0.0,
         "max_tree_tokens": max((b[1] for b in batches), default=0),
         "budget": settings.scheduler.budget,

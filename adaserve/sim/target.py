@@ -58,7 +58,9 @@ class TargetStats:
 
 
 class SimTarget:
-    eos_token_ids: tuple[int, ...] = ()
+    # Token 0 is never drawn otherwise: it ends a request whose output length the
+    # workload set while its max_tokens is the rest of the context (`stop_after`).
+    eos_token_ids: tuple[int, ...] = (0,)
 
     def __init__(
         self,
@@ -81,6 +83,10 @@ class SimTarget:
         self.num_blocks = max(1, profile.kv_capacity_tokens // block_size)
         self.blocks = BlockManager(self.num_blocks, block_size, prefix_caching)
         self.steps: dict[str, int] = {}  # verification steps per sequence (kept after free)
+        # request id -> output tokens after which it emits eos (a chat without max_tokens
+        # that ends on its own), and the tokens emitted so far
+        self.stop_after: dict[str, int] = {}
+        self._emitted: dict[str, int] = {}
         self.stats = TargetStats()
 
     # ---- TargetModel ------------------------------------------------------------------
@@ -104,7 +110,11 @@ class SimTarget:
         first: list[int | None] = []
         for c in chunks:
             self.blocks.commit(c.seq_id, c.tokens.tolist())
-            first.append(int(self.rng.integers(1, self.vocab_size)) if c.last else None)
+            first.append(
+                self._eos_or(c.seq_id, int(self.rng.integers(1, self.vocab_size)))
+                if c.last
+                else None
+            )
         st = self.stats
         st.prefill_tokens += prefill_tokens
         if trees:
@@ -134,6 +144,14 @@ class SimTarget:
             cap = max(1, int(it.max_new))
             reason = "length" if len(emitted) >= cap else None
             emitted, path = emitted[:cap], path[:cap]
+            stop = self.stop_after.get(it.seq_id)
+            if stop is not None:
+                done = self._emitted.get(it.seq_id, 0)
+                if done + len(emitted) >= stop:  # its last token is eos
+                    keep = max(stop - done, 1)
+                    emitted, path = emitted[:keep].copy(), path[:keep]
+                    emitted[-1], reason = 0, "stop"
+                self._emitted[it.seq_id] = done + len(emitted)
             results.append(VerifyResult(path.astype(np.int32), emitted, reason))
             # The accepted path's nodes become committed KV (the bonus roots the next tree).
             self.blocks.commit(it.seq_id, it.tree.tokens[path].tolist())
@@ -150,7 +168,14 @@ class SimTarget:
         return results
 
     def free(self, seq_id: str) -> None:
-        self.blocks.free(seq_id)
+        self.blocks.free(seq_id)  # _emitted stays: a preempted request comes back
+
+    def _eos_or(self, seq_id: str, token: int) -> int:
+        """The first token of a request: eos where its output is one token long."""
+        if self.stop_after.get(seq_id) == 1:
+            return 0
+        self._emitted[seq_id] = 1
+        return token
 
     def free_blocks(self) -> int:
         return self.blocks.num_free

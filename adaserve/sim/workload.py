@@ -69,6 +69,10 @@ class RequestClass(BaseModel):
     # Every prompt of the class starts with the same this-many tokens (a shared system
     # prompt): the prefix cache serves them after the first. The rest is the request's own.
     shared_prefix_tokens: int = Field(default=0, ge=0)
+    # "output": max_tokens is the sampled output length. "context": requests send no
+    # max_tokens (the rest of the context window, as a chat often does) and end on their
+    # own, with eos, after the sampled output length: what a KV reservation must cover.
+    max_tokens: Literal["output", "context"] = "output"
     # piecewise arrivals: [[fraction of the trace, relative rate], ...], linear between
     # points; normalized so the class's mean rate stays weight * rps.
     rate_profile: list[tuple[float, float]] | None = None
@@ -197,6 +201,7 @@ class Workload(BaseModel):
                         slo,
                         c.slo.ttft_ms,
                         c.shared_prefix_tokens,
+                        c.max_tokens == "context",
                     )
                 )
         out.sort(key=lambda r: (r.arrival_s, r.id))
@@ -231,6 +236,7 @@ class SimRequest:
     tpot_slo_ms: float
     ttft_slo_ms: float | None = None
     shared_prefix_tokens: int = 0  # of prompt_tokens, the class's common start
+    open_ended: bool = False  # max_tokens: context (ends with eos after output_tokens)
 
     def prompt_ids(self, vocab_size: int) -> tuple[int, ...]:
         """Token ids of the prompt, deterministic per request: the class's shared

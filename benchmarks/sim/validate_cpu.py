@@ -399,6 +399,8 @@ def scaled_workload(
     prof["verify"]["ms"] = [[m * scale["verify"] for m in row] for row in prof["verify"]["ms"]]
     prof["draft_step"]["ms"] = [m * scale["draft"] for m in prof["draft_step"]["ms"]]
     prof["prefill"]["ms"] = [m * scale["prefill"] for m in prof["prefill"]["ms"]]
+    if prof.get("mixed"):  # forwards carrying trees and chunks: the verify phase's time
+        prof["mixed"]["ms"] = [[m * scale["verify"] for m in row] for row in prof["mixed"]["ms"]]
     prof["iteration_overhead_ms"] = overhead_ms
     if speed_trace is not None:
         prof["speed_trace"] = speed_trace
