@@ -5,15 +5,16 @@ structured output does to speculation: tokens per verification (accepted drafted
 tokens + the bonus, per drafted tree) and draft acceptance, against unconstrained.
 
 Starts `adaserve up --all-in-one --target embedded --drafter embedded` with the CPU
-settings, then rounds of `concurrency` chat requests; each round runs every variant
-in turn (so the host's drift hits them alike) and round k starts at prompt k * c. The
+settings, then, per concurrency c, one untimed pass of every variant and rounds of c
+chat requests; each round runs every variant in turn (so the host's drift hits them
+alike), round k starting with variant k and at prompt k * c. The
 speculation numbers are the engine's counters (`adaserve_spec_decode_*`) read before
 and after each variant's 1-request rounds. Greedy throughout; the JSON variant stops
 when its object is complete (the others run to max_tokens with ignore_eos; it has
 max_tokens 256, room for the whole object), so at 8 requests its batch thins out at the
 end of a round.
 
-    .venv/bin/python benchmarks/bench_features.py [--concurrency 1 8] [--rounds 3]
+    .venv/bin/python benchmarks/bench_features.py [--concurrency 1 8] [--rounds 5]
     .venv/bin/python benchmarks/bench_features.py --smoke   # 1 round, 1 request, 8 tokens
 """
 
@@ -139,8 +140,8 @@ def summarize(rates: dict[str, list[float]], spec: dict[str, dict[str, float]]) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--config", default="configs/embedded-cpu.yaml")
     p.add_argument("--out", default="out/bench_features")
     p.add_argument("--smoke", action="store_true", help="1 round of 1 request, 8 tokens")
@@ -156,12 +157,19 @@ def main() -> int:
     valid = invalid = 0
     try:
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
-        asyncio.run(one_round(port, model, 1, 8, {}, 0))  # warm-up
         for c in args.concurrency:
+            # Untimed: each variant once at this concurrency (batch shapes, grammar
+            # compilation, the prompts in the prefix cache), so round 0 is not a warm-up.
+            for extra in VARIANTS.values():
+                asyncio.run(one_round(port, model, c, args.max_tokens, extra, first=0))
             rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
             spec: dict[str, dict[str, float]] = {v: dict.fromkeys(COUNTERS, 0.0) for v in VARIANTS}
+            names = list(VARIANTS)
             for k in range(args.rounds):
-                for name, extra in VARIANTS.items():
+                # Each round starts with another variant: none is always first after a
+                # switch of prompts, or always runs beside the same phase of the host's load.
+                for name in names[k % len(names) :] + names[: k % len(names)]:
+                    extra = VARIANTS[name]
                     before = counters(metrics_port)
                     elapsed, tokens, texts = asyncio.run(
                         one_round(port, model, c, args.max_tokens, extra, first=k * c)
