@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "profile": ("adaserve.commands.profile", "measure a hardware profile"),
     "simulate": ("adaserve.commands.simulate", "trace-driven simulation"),
+    "capacity": ("adaserve.commands.capacity", "serving units a workload needs at its SLOs"),
     "bench": ("adaserve.commands.bench", "benchmarks against a running server"),
     "demo": ("adaserve.commands.demo", "drive a running server with a mixed SLO workload"),
 }

@@ -230,6 +230,30 @@ class GatewaySettings(BaseModel):
     health_interval_s: PositiveFloat = 2.0
 
 
+class FleetSettings(BaseModel):
+    """Operating several serving units: how they report their load, how gateways route
+    by it (adaserve/routing.py), how a unit drains and how its liveness is judged."""
+
+    # slo: each request to the unit where its TPOT (and TTFT) SLO is most likely met
+    # without breaking the others', preferring the unit holding its prefix;
+    # least_outstanding: the unit with the fewest of this gateway's requests in flight.
+    routing: Literal["slo", "least_outstanding"] = "slo"
+    report_interval_ms: PositiveFloat = 100.0  # a unit's load report period (Load stream)
+    # A report older than this is not trusted: the unit gets no request while another
+    # reports fresh; with none fresh, routing is least outstanding.
+    report_stale_ms: PositiveFloat = 1000.0
+    # Above this KV usage a unit is preempting: routing sends it nothing it can avoid.
+    kv_limit: float = Field(default=0.95, gt=0.0, le=1.0)
+    # Prefix keys a unit remembers (LRU) for prefix-affine routing.
+    prefix_keys: PositiveInt = 4096
+    # SIGTERM: the longest a unit lets its in-flight streams run before it exits. Keep
+    # it under the pod's terminationGracePeriodSeconds (the manifests' test checks).
+    drain_timeout_s: NonNegativeFloat = 50.0
+    # Liveness fails once the engine loop has made no progress for this long (a wedged
+    # forward); keep it above the slowest iteration (a long prefill chunk on a GPU).
+    liveness_timeout_s: PositiveFloat = 60.0
+
+
 class TLSSettings(BaseModel):
     """Mutual TLS between adaserve services, off unless the three files are set. Each
     service presents `cert_file`/`key_file` and trusts peers whose certificate chains to
@@ -267,6 +291,7 @@ class Settings(BaseSettings):
     services: ServiceAddresses = Field(default_factory=ServiceAddresses)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tls: TLSSettings = Field(default_factory=TLSSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
     log_prompts: bool = False
 
 

@@ -41,6 +41,7 @@ from adaserve.grammar import Constraint, GrammarBackend
 from adaserve.latency import Curve, ForwardLatency
 from adaserve.logits_process import LogitsContext
 from adaserve.request import GenerationRequest, TokenDelta, TokenLogprobs
+from adaserve.routing import UnitLoad
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import RequestProgress, Selection, SelectionParams
@@ -50,7 +51,15 @@ from adaserve.stream import RequestStream
 from adaserve.target import PrefillChunk, TargetModel, VerifyItem
 from adaserve.tree import CandidateTree
 
-__all__ = ["Engine", "EngineFull", "EngineInfo", "EngineStats", "RequestStream", "SLOUnattainable"]
+__all__ = [
+    "Engine",
+    "EngineDraining",
+    "EngineFull",
+    "EngineInfo",
+    "EngineStats",
+    "RequestStream",
+    "SLOUnattainable",
+]
 
 log = logging.getLogger("adaserve.engine")
 
@@ -62,6 +71,11 @@ UNSET_TTFT_ORDER_MS = 10_000.0
 
 class EngineFull(RuntimeError):
     """The waiting queue is full: callers answer 429 / RESOURCE_EXHAUSTED."""
+
+
+class EngineDraining(RuntimeError):
+    """The unit is draining (SIGTERM): it finishes what it holds and takes nothing new;
+    callers answer UNAVAILABLE, which routers take as "try another unit"."""
 
 
 class SLOUnattainable(ValueError):
@@ -246,6 +260,10 @@ class Engine:
         # EWMA of the drafter's time per prompt token it ingests beside the target's
         # prefill: part of what a prefill token costs the iteration.
         self._ingest_ms = 0.0
+        # What decoding requests actually waited per token lately (iteration time, prefill
+        # chunks and drafting included, over tokens emitted per request) and at what
+        # batch size: calibrates the modelled TPOT curve routers read (load()).
+        self._tpot_seen: tuple[float, float] | None = None  # (EWMA ms, EWMA batch)
 
         self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -265,10 +283,16 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loop_done: Future | None = None
         self._stop = threading.Event()
+        self._draining = False
+        # The loop stamps this every pass (idle or not): its age is how long the loop
+        # has made no progress, which liveness checks read (a wedged forward).
+        self._beat: float | None = None
 
     # ---- public API (any thread) ---------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> RequestStream:
+        if self._draining:
+            raise EngineDraining("this serving unit is draining: send the request elsewhere")
         self._validate(req)
         if self._inbox.qsize() + len(self._waiting) >= self.settings.engine.max_queue:
             raise EngineFull("server is at capacity: too many queued requests")
@@ -300,6 +324,96 @@ class Engine:
             scheduler_healthy=self.scheduler.healthy,
             prefilling=sum(r.prefilling for r in running),
         )
+
+    def drain(self) -> None:
+        """Stop taking requests; those already submitted run to the end."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def loop_age_s(self) -> float:
+        """Seconds since the loop last made progress (0 before it starts): a forward
+        that never returns shows here while every other thread still answers."""
+        return 0.0 if self._beat is None else max(self.clock() - self._beat, 0.0)
+
+    def load(self) -> UnitLoad:
+        """This unit's load as routers read it (adaserve/routing.py): occupancy, the
+        predicted TPOT at each batch size up to max_running, the tightest SLO it holds
+        and its prefill queue. Safe from any thread; cheap enough for every request."""
+        running = list(self._running.values())
+        waiting = list(self._waiting)
+        held = [r.req.tpot_slo_ms for r in [*running, *waiting] if not r.best_effort]
+        max_running = self.settings.engine.max_running
+        sizes = sorted({*(1 << i for i in range(max_running.bit_length())), max_running})
+        n = self.settings.engine.max_batch_tokens
+        load = UnitLoad(
+            running=len(running),
+            waiting=len(waiting) + self._inbox.qsize(),
+            max_running=max_running,
+            kv_usage=self.target.kv_usage(),
+            tpot_curve=tuple((b, self.predicted_tpot_ms(b)) for b in sizes),
+            tightest_slo_ms=min(held, default=0.0),
+            prefill_queue_tokens=sum(left for _, left in self._prefill_queue),
+            prefill_ms_per_token=self._iteration_ms(0, n) / n,
+            draining=self._draining,
+        )
+        self._export_load(load, running)
+        return load
+
+    def predicted_tpot_ms(self, n: int) -> float:
+        """TPOT of a request in a decode batch of n: the model's (`modelled_tpot_ms`)
+        times how far what requests here actually waited per token lately is from the
+        model at the batch size they ran at (prefill chunks riding along, host work,
+        acceptance unlike the setting's: all in the measurement)."""
+        model = self.modelled_tpot_ms(n)
+        if self._tpot_seen is None:
+            return model
+        seen_ms, seen_batch = self._tpot_seen
+        at = self.modelled_tpot_ms(max(round(seen_batch), 1))
+        return model * min(max(seen_ms / at, 0.5), 4.0) if at > 0 else model
+
+    def _observe_tpot(self, batch: int, emitted: int, iteration_ms: float) -> None:
+        if emitted <= 0 or not iteration_ms > 0:
+            return
+        ms = iteration_ms * batch / emitted  # per token of one request
+        if self._tpot_seen is None:
+            self._tpot_seen = (ms, float(batch))
+            return
+        a = 0.1  # ~10 iterations: follows load within a second, not each iteration's noise
+        seen_ms, seen_batch = self._tpot_seen
+        self._tpot_seen = (seen_ms + a * (ms - seen_ms), seen_batch + a * (batch - seen_batch))
+
+    def modelled_tpot_ms(self, n: int) -> float:
+        """TPOT of a request in a decode batch of n by the model alone: the plan's
+        iteration (tree tokens on the latency model, plus the draft phase it measured)
+        over the tokens a request gets per iteration (the bonus plus each chain level
+        with probability alpha^j; fewer levels where the budget runs out)."""
+        budget = self.settings.scheduler.budget
+        a = self._adaptive()
+        depth, width = plan_depth_width(n, budget, a) if self.drafter is not None else (0, 1)
+        tokens = min(max(budget, n), n * (1 + depth * width))
+        ms = self.latency.predict_ms(tokens) + (self._draft_ms if depth else 0.0)
+        levels = min(depth, max(tokens // max(n, 1) - 1, 0))
+        return ms / sum(a.acceptance**j for j in range(levels + 1))
+
+    def _export_load(self, load: UnitLoad, running: list[_Request]) -> None:
+        """The autoscaling signals: whether this unit can take more at its SLOs."""
+        metrics.slo_pressure.set(load.pressure)
+        metrics.predicted_tpot_seconds.set(load.tpot_ms(load.running + load.waiting + 1) / 1000.0)
+        metrics.predicted_queue_seconds.set(
+            load.prefill_queue_tokens * load.prefill_ms_per_token / 1000.0
+        )
+        now = self.clock()
+        decoding = [r for r in running if r.first_token_t is not None and not r.best_effort]
+        # On track: its TPOT so far is within its SLO (what attainment will say of it).
+        on_track = 0
+        for r in decoding:
+            elapsed_ms, decoded = self._elapsed_decoded(r, now)
+            on_track += elapsed_ms <= r.req.tpot_slo_ms * max(decoded, 1)
+        metrics.running_on_slo_ratio.set(on_track / len(decoding) if decoding else 1.0)
+        metrics.draining.set(float(load.draining))
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -333,6 +447,7 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._beat = self.clock()
             if not self.has_work():
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
@@ -385,6 +500,9 @@ class Engine:
         for r, tree, res in zip(step.decoding, selected, result.verified, strict=True):
             self._record_spec(tree, res.accepted_nodes, len(res.emitted_tokens))
             self._apply(r, res.emitted_tokens.tolist(), t3, res.logprobs)
+        if step.decoding:
+            emitted = sum(len(res.emitted_tokens) for res in result.verified)
+            self._observe_tpot(len(step.decoding), emitted, (t3 - start) * 1000.0)
         first_lp = result.first_logprobs or [None] * len(step.chunks)
         for (r, chunk), first, lp in zip(step.chunks, result.first_tokens, first_lp, strict=True):
             r.prefilled += len(chunk.tokens)

@@ -27,6 +27,7 @@ from adaserve.tree import CandidateTree, TreeBatch
 log = logging.getLogger("adaserve.engine")
 
 RETRY_S = 1.0  # a failed drafter is not asked again sooner: no timeout every iteration
+MAX_QUEUED_RELEASES = 100_000  # ids, a few MB at most
 
 
 class FallbackDrafter:
@@ -107,7 +108,10 @@ class FallbackDrafter:
         ids, self._releases = self._releases, []
         try:
             self.inner.release(ids)
-        except Exception as exc:  # a restarted drafter holds none of it; never fail on this
+        except Exception as exc:  # never fail on this
+            # Kept for the next flush: a drafter that timed out still holds the state (a
+            # restarted one ignores ids it does not know). Bounded, should it never return.
+            self._releases = [*ids, *self._releases][-MAX_QUEUED_RELEASES:]
             self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:

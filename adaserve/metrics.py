@@ -6,7 +6,11 @@ deployment; tests that build several engines only see counters add up.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -147,3 +151,77 @@ best_effort_total = Counter(
     "Requests admitted best-effort (SLO unattainable)",
     ["slo_class"],
 )
+
+# Fleet: whether this unit can take more at its SLOs (autoscaling, routing dashboards).
+slo_pressure = Gauge(
+    "adaserve_slo_pressure",
+    "Predicted TPOT of one more request / the tightest TPOT SLO the unit holds: above 1 "
+    "the unit cannot take another request at its SLOs (0 when idle)",
+)
+predicted_tpot_seconds = Gauge(
+    "adaserve_predicted_tpot_seconds",
+    "Predicted time per output token of a request admitted now (batch + 1)",
+)
+predicted_queue_seconds = Gauge(
+    "adaserve_predicted_queue_seconds",
+    "Predicted time to prefill the prompts already waiting (what a new prompt queues behind)",
+)
+running_on_slo_ratio = Gauge(
+    "adaserve_running_on_slo_ratio",
+    "Fraction of decoding requests whose TPOT so far is within their SLO (1 when none)",
+)
+draining = Gauge("adaserve_draining", "1 while the unit drains (SIGTERM): no new requests")
+
+
+# vLLM's names for the series that mean the same here, so a dashboard built for vLLM
+# (which filters on `model_name`) finds them: re-emitted at scrape time under the vLLM
+# name with the model's name as a label; nothing is counted twice. README.md, "Metrics",
+# maps the rest.
+VLLM_NAMES: dict[str, tuple[Counter | Gauge | Histogram, str]] = {
+    "vllm:num_requests_running": (num_running, "adaserve_num_requests_running"),
+    "vllm:num_requests_waiting": (num_waiting, "adaserve_num_requests_waiting"),
+    "vllm:kv_cache_usage_perc": (kv_usage, "adaserve_kv_cache_usage_perc"),
+    "vllm:num_preemptions": (preemptions_total, "adaserve_num_preemptions"),
+    "vllm:prefix_cache_queries": (prefix_cache_queries, "adaserve_prefix_cache_queries"),
+    "vllm:prefix_cache_hits": (prefix_cache_hits, "adaserve_prefix_cache_hits"),
+    "vllm:spec_decode_num_drafts": (spec_num_drafts, "adaserve_spec_decode_num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": (
+        spec_num_draft_tokens,
+        "adaserve_spec_decode_num_draft_tokens",
+    ),
+    "vllm:spec_decode_num_accepted_tokens": (
+        spec_num_accepted_tokens,
+        "adaserve_spec_decode_num_accepted_tokens",
+    ),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": (
+        spec_accepted_per_pos,
+        "adaserve_spec_decode_num_accepted_tokens_per_pos",
+    ),
+    "vllm:time_to_first_token_seconds": (ttft_seconds, "adaserve_engine_ttft_seconds"),
+}
+
+
+class VllmNames(Collector):
+    """The VLLM_NAMES series again under vLLM's names, labelled `model_name`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names are checked against nothing: no collect() at registration
+
+    def collect(self) -> Iterable[Metric]:
+        for name, (collector, ours) in VLLM_NAMES.items():
+            for family in collector.collect():
+                out = Metric(name, family.documentation, family.type)
+                for s in family.samples:
+                    labels = {**s.labels, "model_name": self.model_name}
+                    out.add_sample(name + s.name[len(ours) :], labels, s.value, s.timestamp)
+                yield out
+
+
+def export_vllm_names(model_name: str, registry: CollectorRegistry = REGISTRY) -> VllmNames:
+    """Once per process (the verifier, when it serves metrics): add the vLLM names."""
+    collector = VllmNames(model_name)
+    registry.register(collector)
+    return collector

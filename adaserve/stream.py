@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from collections.abc import AsyncIterator
 
@@ -25,7 +26,9 @@ class RequestStream:
     def put(self, delta: TokenDelta) -> None:
         self._q.put(delta)
         if self._loop is not None and self._wakeup is not None:
-            self._loop.call_soon_threadsafe(self._wakeup.set)
+            # A closed loop: the reader is gone (its server stopped); the delta just waits.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._wakeup.set)
 
     def get(self, timeout: float | None = None) -> TokenDelta | None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from gateway.openai_schemas import (
     TokenizeRequest,
 )
 from gateway.responses import DONE_FRAME, Formatter, sse
-from gateway.router import Router
+from gateway.router import Router, Unit
 from gateway.spec import check_unknown
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,16 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        router = Router(verifiers, dns=verifier_dns, interval_s=settings.gateway.health_interval_s)
+        metrics = GatewayMetrics()
+        router = Router(
+            verifiers,
+            dns=verifier_dns,
+            interval_s=settings.gateway.health_interval_s,
+            fleet=settings.fleet,
+            on_route=lambda reason: metrics.routed.labels(reason).inc(),
+        )
         await router.start()
-        app.state.gateway = Gateway(settings, router, GatewayMetrics())
+        app.state.gateway = Gateway(settings, router, metrics)
         grpc_server = None
         if grpc_port is not None:
             from gateway.grpc_front import GatewayGrpcServer
@@ -203,6 +211,8 @@ def create_app(
                 "healthy": u.healthy and not u.retired,
                 "outstanding": u.outstanding,
                 "error": u.last_error or None,
+                "draining": u.draining,
+                "load": _load_summary(u),
             }
             for u in router.units.values()
         ]
@@ -218,6 +228,21 @@ def create_app(
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _load_summary(unit: Unit) -> dict[str, Any] | None:
+    """The unit's last load report as /ready shows it (None: none yet)."""
+    load = unit.load
+    if load is None:
+        return None
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_usage": round(load.kv_usage, 4),
+        "tightest_slo_ms": round(load.tightest_slo_ms, 3),
+        "predicted_tpot_ms": round(load.tpot_ms(load.running + load.waiting + 1), 3),
+        "age_s": round(time.monotonic() - unit.load_at, 3),
+    }
 
 
 def slo_info(info: vpb.InfoResponse) -> dict[str, Any]:

@@ -79,7 +79,13 @@ class Gateway:
         try:
             while True:
                 try:
-                    unit = self.router.pick(spec.model, frozenset(tried))
+                    unit = self.router.pick(
+                        spec.model,
+                        frozenset(tried),
+                        spec.route_request(),
+                        spec.tpot_slo_ms,
+                        spec.slo_class,
+                    )
                 except APIError as err:
                     # Every unit tried: a full one's 429 says more than "none left".
                     raise (refused if refused is not None and tried else err) from None

@@ -127,6 +127,14 @@ class GatewayMetrics:
         self.healthy_units = Gauge(
             "adaserve_gateway_healthy_units", "Healthy verifier units", registry=r
         )
+        self.routed = Counter(
+            "adaserve_gateway_routing_decisions_total",
+            "Requests routed, by why the unit was chosen: prefix (holds its prefix, SLO "
+            "met), slo (SLO met), overloaded (no unit met it: the most headroom), stale "
+            "(no fresh load report: least outstanding), least_outstanding (policy)",
+            ["reason"],
+            registry=r,
+        )
         self._counts: dict[str, tuple[int, int]] = {}
 
     def finished(

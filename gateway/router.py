@@ -1,10 +1,18 @@
-"""Verifier units behind the gateway: least-outstanding-requests routing and health.
+"""Verifier units behind the gateway: SLO-aware routing on their load reports, health.
 
 A unit is admitted once a gRPC health check says SERVING and its `Info` is known
 (served model, context length, SLO classes); it is dropped on the first failed check or
 when a call to it fails with UNAVAILABLE, and re-admitted by the next good check.
 `--verifier-dns NAME:PORT` re-resolves a headless Service every interval, so units
 appear and disappear with their pods.
+
+Each admitted unit streams its load (`Verifier.Load`: occupancy, predicted TPOT by batch
+size, tightest SLO, prefill queue, the prefix keys it was sent, draining) to the router,
+which routes every request with `adaserve.routing.route` (setting `fleet.routing`): the
+unit where its SLO is most likely met, preferring the one that holds its prefix, and
+least outstanding requests where reports are stale. A unit that reports draining, or
+whose stream fails with UNAVAILABLE, gets nothing more at once, without waiting for the
+next health round.
 """
 
 from __future__ import annotations
@@ -14,16 +22,20 @@ import contextlib
 import itertools
 import logging
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from adaserve import routing
+from adaserve.config import FleetSettings
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from adaserve.slo import describe
 from gateway.errors import APIError, model_not_found
+from services.common.convert import load_from_pb
 from services.common.options import aio_channel
 
 log = logging.getLogger(__name__)
@@ -43,6 +55,17 @@ class Unit:
     from_dns: bool = False
     retired: bool = False  # gone from DNS: no new requests, closed once idle
     last_error: str = field(default="never checked")
+    # The unit's last load report (Verifier.Load) and when it arrived (monotonic s).
+    load: routing.UnitLoad | None = None
+    load_at: float = 0.0
+    sent_since_report: int = 0  # requests routed here after that report was made
+    prefixes: routing.PrefixMirror | None = None  # the unit's prefix keys, replayed
+    reports: bool = True  # False: the unit has no Load stream (an older version)
+    report_task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def draining(self) -> bool:
+        return self.load is not None and self.load.draining
 
     @classmethod
     def connect(cls, address: str, *, from_dns: bool = False) -> Unit:
@@ -66,9 +89,18 @@ class Router:
         dns: str | None = None,
         interval_s: float = 2.0,
         check_timeout_s: float = 1.0,
+        fleet: FleetSettings | None = None,
+        on_route: Callable[[str], None] | None = None,
     ) -> None:
+        """`fleet`: routing policy and load-report timing (defaults: FleetSettings());
+        `on_route(reason)` is told the reason of every routing decision (metrics)."""
         for addr in addresses:
             parse_address(addr, "--verifier")
+        self.fleet = fleet or FleetSettings()
+        self.params = routing.RoutingParams(
+            self.fleet.routing, self.fleet.report_stale_ms / 1000.0, self.fleet.kv_limit
+        )
+        self.on_route = on_route
         self.static = list(dict.fromkeys(addresses))
         self.dns = parse_address(dns, "--verifier-dns") if dns else None
         self.interval_s = interval_s
@@ -89,13 +121,14 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for unit in self.units.values():
+            await self._stop_reports(unit)
             await unit.channel.close()
         self.units.clear()
 
     # -- routing -----------------------------------------------------------------------
 
     def healthy(self) -> list[Unit]:
-        return [u for u in self.units.values() if u.healthy and not u.retired]
+        return [u for u in self.units.values() if u.healthy and not u.retired and not u.draining]
 
     def models(self) -> list[str]:
         names = {u.info.served_model_name for u in self.healthy() if u.info}
@@ -104,9 +137,18 @@ class Router:
     def slo_classes(self) -> set[str]:
         return {name for u in self.healthy() if u.info for name in u.info.slo_classes}
 
-    def pick(self, model: str | None, exclude: frozenset[str] = frozenset()) -> Unit:
-        """The least loaded healthy unit serving `model` (None: any), skipping units
-        that already failed this request."""
+    def pick(
+        self,
+        model: str | None,
+        exclude: frozenset[str] = frozenset(),
+        request: routing.RouteRequest | None = None,
+        tpot_slo_ms: float | None = None,
+        slo_class: str | None = None,
+    ) -> Unit:
+        """The healthy unit serving `model` (None: any) that routing picks for the
+        request (adaserve/routing.py), skipping units that already failed it. The
+        request's TPOT SLO: `tpot_slo_ms`, else its class (None: the default) as each
+        unit resolves it."""
         units = self.healthy()
         if model is not None and units:
             units = [u for u in units if u.info and u.info.served_model_name == model]
@@ -120,9 +162,44 @@ class Router:
                 code="no_healthy_unit",
                 retry_after_s=self.interval_s,
             )
-        least = min(u.outstanding for u in units)
-        tied = [u for u in units if u.outstanding == least]
-        return tied[next(self._rr) % len(tied)]
+        request = request or routing.RouteRequest()
+        now = time.monotonic()
+        cands = [self._candidate(u, request, now, tpot_slo_ms, slo_class) for u in units]
+        decision = routing.route(request, cands, self.params)
+        tied = [units[i] for i in decision.choices]
+        unit = tied[next(self._rr) % len(tied)]
+        unit.sent_since_report += 1
+        if self.on_route is not None:
+            self.on_route(decision.reason)
+        return unit
+
+    @staticmethod
+    def _candidate(
+        unit: Unit,
+        request: routing.RouteRequest,
+        now: float,
+        tpot_slo_ms: float | None,
+        slo_class: str | None,
+    ) -> routing.Candidate:
+        info = unit.info
+        tpot, ttft = tpot_slo_ms, None
+        if info is not None:
+            name = slo_class or info.default_slo_class
+            if tpot is None:
+                tpot = info.slo_classes.get(name)
+            if request.ttft_slo_ms is None:
+                ttft = info.slo_class_ttft_ms.get(name)
+        return routing.Candidate(
+            outstanding=unit.outstanding,
+            load=unit.load,
+            load_age_s=now - unit.load_at if unit.load is not None else float("inf"),
+            sent_since_report=unit.sent_since_report,
+            tpot_slo_ms=tpot,
+            prefix_match=(
+                routing.match_depth(request.prefix_keys, unit.prefixes) if unit.prefixes else 0
+            ),
+            ttft_slo_ms=ttft,
+        )
 
     @contextlib.contextmanager
     def lease(self, unit: Unit) -> Iterator[Unit]:
@@ -156,7 +233,61 @@ class Router:
         for unit in units:
             if unit.retired and unit.outstanding == 0:
                 self.units.pop(unit.address, None)
+                await self._stop_reports(unit)
                 await unit.channel.close()
+            elif unit.healthy and unit.reports:
+                self._start_reports(unit)
+
+    # -- load reports ------------------------------------------------------------------
+
+    def _start_reports(self, unit: Unit) -> None:
+        if unit.report_task is None or unit.report_task.done():
+            unit.report_task = asyncio.create_task(
+                self._follow_reports(unit), name=f"load-{unit.address}"
+            )
+
+    async def _stop_reports(self, unit: Unit) -> None:
+        task, unit.report_task = unit.report_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _follow_reports(self, unit: Unit) -> None:
+        """Keeps `unit.load` current from its Load stream until the stream ends; the
+        next health round opens a new one if the unit is still healthy."""
+        call = unit.stub.Load(vpb.LoadRequest(interval_ms=self.fleet.report_interval_ms))
+        try:
+            async for msg in call:
+                self._apply_report(unit, msg)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                # An older unit: like a stale one, it gets requests only while no unit
+                # reports fresh (upgrade every unit for SLO-aware routing).
+                unit.reports = False
+                log.warning("verifier unit sends no load reports", extra={"unit": unit.address})
+            elif err.code() == grpc.StatusCode.UNAVAILABLE:
+                self.mark_failed(unit, f"Load: {err.details()}")
+            unit.load = None
+        except ValueError as exc:  # a report routing cannot use
+            log.warning("bad load report", extra={"unit": unit.address, "error": str(exc)})
+            unit.load = None
+        finally:
+            call.cancel()
+
+    def _apply_report(self, unit: Unit, msg: vpb.LoadReport) -> None:
+        was_draining = unit.draining
+        unit.load = load_from_pb(msg)
+        unit.load_at = time.monotonic()
+        unit.sent_since_report = 0
+        capacity = max(msg.prefix_capacity, 1)
+        if unit.prefixes is None or unit.prefixes.capacity != capacity:
+            unit.prefixes = routing.PrefixMirror(capacity)
+        if msg.prefix_reset:
+            unit.prefixes.clear()
+        unit.prefixes.touch(msg.prefix_keys)
+        if unit.draining and not was_draining:
+            log.info("verifier unit draining: no new requests", extra={"unit": unit.address})
 
     async def _resolve(self) -> None:
         assert self.dns is not None

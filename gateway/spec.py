@@ -12,8 +12,10 @@ import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
+from adaserve import routing
 from adaserve.config import Settings
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.errors import bad_request
@@ -115,6 +117,29 @@ class GenerateSpec:
             return self.slo_class
         return CUSTOM_SLO_CLASS if self.tpot_slo_ms is not None else ""
 
+    @cached_property
+    def prefix_keys(self) -> tuple[int, ...]:
+        """The prompt's prefix keys (adaserve/routing.py): what prefix-affine routing
+        matches against the keys each unit reports."""
+        if self.messages is not None:
+            return routing.message_keys(
+                [(f"{m.role}\x00{m.name}", m.content) for m in self.messages]
+            )
+        if self.prompt_token_ids is not None:
+            return routing.token_keys(self.prompt_token_ids)
+        return routing.text_keys(self.prompt_text or "")
+
+    def route_request(self) -> routing.RouteRequest:
+        """What routing knows of this request before a unit tokenizes it: the prompt's
+        length is estimated at 4 characters a token (the gateway holds no tokenizer)."""
+        if self.prompt_token_ids is not None:
+            tokens = len(self.prompt_token_ids)
+        elif self.messages is not None:
+            tokens = sum(len(m.content) for m in self.messages) // 4
+        else:
+            tokens = len(self.prompt_text or "") // 4
+        return routing.RouteRequest(self.ttft_slo_ms, tokens, self.prefix_keys)
+
     def to_pb(self) -> vpb.GenerateRequest:
         sampling = vpb.SamplingParams(
             temperature=self.temperature,
@@ -150,6 +175,7 @@ class GenerateSpec:
             client_request_id=self.client_request_id or "",
             n=self.n,
             echo=self.echo,
+            prefix_keys=self.prefix_keys,
         )
         if self.messages is not None:
             req.chat.add_generation_prompt = self.add_generation_prompt

@@ -29,7 +29,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "gpu-autoscale")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 
 

@@ -49,6 +49,29 @@ def test_auto_baseline_resolves_classes(tmp_path: Path):
     assert engine.settings.slo.resolve("tight") == pytest.approx(1.5 * baseline)
 
 
+def test_a_small_kv_cache_measures_what_it_holds(tmp_path: Path):
+    """engine.kv_blocks below what the startup measurements use (batch 8 x 96 tokens, a
+    1k-token context probe): the engine still starts, measuring at the context it holds;
+    a cache that holds nothing at all is a clear error naming the settings."""
+    target = make_served_model(tmp_path / "target")
+    base = {"target": str(target), "drafter": None, "device": "cpu", "dtype": "float32"}
+    settings = Settings(
+        model=base,
+        engine={"kv_blocks": 40, "kv_block_size": 16},
+        slo={"baseline_tpot_ms": "auto"},
+    )
+    engine = build_engine(settings)
+    assert engine.info().baseline_tpot_ms > 0
+    assert engine.target.kv_usage() == 0.0  # the measurements left nothing behind
+    assert engine.settings.engine.latency_curve is not None
+    assert max(engine.settings.engine.latency_curve.tokens) < 40 * 16
+    tiny = settings.model_copy(
+        update={"engine": settings.engine.model_copy(update={"kv_blocks": 4})}
+    )
+    with pytest.raises(ValueError, match=r"slo\.baseline_tpot_ms"):
+        build_engine(tiny)
+
+
 def test_engine_refuses_unmeasured_auto(tiny_llama_dir: Path):
     settings = Settings(slo={"baseline_tpot_ms": "auto"})
     with pytest.raises(ValueError, match="measured"):

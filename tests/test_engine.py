@@ -264,6 +264,32 @@ def test_drafter_failures_and_lost_state_keep_output_identical(target_dir, monke
     assert engine.stats().drafter_healthy  # ... and the engine noticed
 
 
+def test_a_failed_release_is_sent_again_and_the_draft_state_freed(target_dir, monkeypatch):
+    """A release that times out (the drafter still holds the state) is kept and sent by
+    a later flush: the drafter ends holding no sequence."""
+    engine = make_engine(target_dir, target_dir)
+    inner = engine.drafter.inner
+    failures = []
+
+    class TimingOut:
+        def speculate(self, updates, depth, width, stop_prob=0.0):
+            return inner.speculate(updates, depth, width, stop_prob)
+
+        def release(self, ids):
+            if not failures:
+                failures.append(list(ids))
+                raise TimeoutError("release timed out")
+            inner.release(ids)
+
+    engine.drafter.inner = TimingOut()
+    monkeypatch.setattr(fallback, "RETRY_S", 0.0)
+    res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 8, 1e6))])
+    assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 8)
+    assert failures == [["r0"]]
+    engine.step()  # idle: flushes what is queued
+    assert inner.stats().num_sequences == 0
+
+
 # Plain decoding for any batch of two or more, a depth of a few for one.
 CAPPED = {
     "d_min": 0,

@@ -169,9 +169,11 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 class SSEClient:
     """One streaming /v1/completions request on a thread, as a client sees it."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int = LONG) -> None:
+    def __init__(
+        self, url: str, prompt: list[int], max_tokens: int = LONG, model: str = "tiny"
+    ) -> None:
         self.body = {
-            "model": "tiny",
+            "model": model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,

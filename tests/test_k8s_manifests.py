@@ -218,8 +218,9 @@ def test_container_ports_match_the_service_flags(docs: list[dict[str, Any]]) -> 
         args = argv(c)
         ports = {p["containerPort"] for p in c["ports"]}
         listen = {int(flag(args, "--port"))}
-        if flag(args, "--grpc-port"):
-            listen.add(int(flag(args, "--grpc-port")))
+        for extra in ("--grpc-port", "--metrics-port"):
+            if flag(args, extra) and int(flag(args, extra)) > 0:
+                listen.add(int(flag(args, extra)))
         assert listen == ports, f"{wl['metadata']['name']}/{c['name']}: {listen} vs {ports}"
         assert flag(args, "--host") == "0.0.0.0", "probes reach the pod IP, not loopback"
 
@@ -289,20 +290,57 @@ def test_verifier_reaches_the_scheduler_service(docs: list[dict[str, Any]]) -> N
 
 
 def test_gateway_and_scheduler_autoscale_and_units_scale_as_units(
-    docs: list[dict[str, Any]],
+    overlay: str, docs: list[dict[str, Any]]
 ) -> None:
     targets = {
         (h["spec"]["scaleTargetRef"]["kind"], h["spec"]["scaleTargetRef"]["name"])
         for h in by_kind(docs, "HorizontalPodAutoscaler")
     }
-    assert targets == {("Deployment", "adaserve-gateway"), ("Deployment", "adaserve-scheduler")}
+    expected = {("Deployment", "adaserve-gateway"), ("Deployment", "adaserve-scheduler")}
+    if overlay == "gpu-autoscale":  # units too, on their SLO signal
+        expected.add(("StatefulSet", "adaserve-unit"))
+    assert targets == expected
     for h in by_kind(docs, "HorizontalPodAutoscaler"):
+        ref = h["spec"]["scaleTargetRef"]
         assert 1 <= h["spec"]["minReplicas"] <= h["spec"]["maxReplicas"]
-        assert (
-            "replicas" not in find(docs, "Deployment", h["spec"]["scaleTargetRef"]["name"])["spec"]
-        ), "a Deployment under an HPA must not pin replicas (kubectl apply would fight it)"
+        assert "replicas" not in find(docs, ref["kind"], ref["name"])["spec"], (
+            "a workload under an HPA must not pin replicas (kubectl apply would fight it)"
+        )
     unit = find(docs, "StatefulSet", "adaserve-unit")
     assert unit["spec"]["podManagementPolicy"] == "Parallel"
+
+
+def test_units_scale_on_metrics_the_verifier_exports(overlay: str, docs: list) -> None:
+    """The unit HPA's custom metrics are series the engine really exports, and the
+    adapter rules shipped beside it serve exactly those."""
+    if overlay != "gpu-autoscale":
+        pytest.skip("the autoscaling overlay only")
+    import prometheus_client
+
+    import adaserve.metrics  # noqa: F401 - registers the engine's series
+
+    exported = {m.name for m in prometheus_client.REGISTRY.collect()}
+    [hpa] = [
+        h
+        for h in by_kind(docs, "HorizontalPodAutoscaler")
+        if h["spec"]["scaleTargetRef"]["name"] == "adaserve-unit"
+    ]
+    names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    assert names == {"adaserve_slo_pressure", "adaserve_predicted_queue_seconds"}
+    assert names <= exported
+    rules = yaml.safe_load(
+        (
+            REPO / "k8s" / "components" / "unit-autoscaling" / "prometheus-adapter-rules.yaml"
+        ).read_text()
+    )
+    served = {r["name"]["matches"] for r in rules["rules"]["custom"]}
+    assert served == names
+    behavior = hpa["spec"]["behavior"]
+    # Scaling down drains a unit: slower than scaling up, and never in a burst.
+    assert (
+        behavior["scaleDown"]["stabilizationWindowSeconds"]
+        > (behavior["scaleUp"]["stabilizationWindowSeconds"])
+    )
 
 
 def test_every_workload_has_a_disruption_budget(docs: list[dict[str, Any]]) -> None:
@@ -394,7 +432,7 @@ def test_gpu_counts_match_the_tp_setting(overlay: str, docs: list[dict[str, Any]
     tp = config_yaml(docs)["model"]["tp"]
     _, verifier = _container(docs, "verifier")
     _, drafter = _container(docs, "drafter")
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         assert tp == 4
         assert _gpus(verifier) == (tp, tp), "TP-N verifier: N GPUs (request == limit)"
         assert _gpus(drafter) == (1, 1)
@@ -408,8 +446,8 @@ def test_gpu_counts_match_the_tp_setting(overlay: str, docs: list[dict[str, Any]
 
 
 def test_gpu_overlay_reads_models_from_the_shared_store(overlay: str, docs: list) -> None:
-    if overlay != "gpu":
-        pytest.skip("GPU overlay only")
+    if not overlay.startswith("gpu"):
+        pytest.skip("GPU overlays only")
     unit = find(docs, "StatefulSet", "adaserve-unit")
     pvc = find(docs, "PersistentVolumeClaim", "adaserve-models")
     assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
@@ -430,8 +468,8 @@ def test_gpu_overlay_reads_models_from_the_shared_store(overlay: str, docs: list
 
 
 def test_gpu_budget_follows_the_shipped_eurosys_profile(overlay: str, docs: list) -> None:
-    if overlay != "gpu":
-        pytest.skip("GPU overlay only")
+    if not overlay.startswith("gpu"):
+        pytest.skip("GPU overlays only")
     profile_path = REPO / "adaserve" / "sim" / "profiles" / "llama-3.1-70b-tp4-a100.yaml"
     if not profile_path.is_file():
         pytest.skip(f"{profile_path} not shipped")
@@ -443,20 +481,27 @@ def test_gpu_budget_follows_the_shipped_eurosys_profile(overlay: str, docs: list
 
 # --- NetworkPolicy ----------------------------------------------------------------------
 
-# Peers the policies are evaluated against: our three pods, cluster DNS, a pod in some
-# other namespace and an address outside the cluster.
+# Peers the policies are evaluated against: our three pods, cluster DNS, Prometheus in
+# the monitoring namespace, a pod in some other namespace and an address outside the
+# cluster.
 PEERS: dict[str, dict[str, Any]] = {
     "gateway": {"ns": NAMESPACE},
     "scheduler": {"ns": NAMESPACE},
     "unit": {"ns": NAMESPACE},
     "kube-dns": {"ns": "kube-system", "labels": {"k8s-app": "kube-dns"}, "ports": [53]},
+    "prometheus": {
+        "ns": "monitoring",
+        "labels": {"app.kubernetes.io/name": "prometheus"},
+        "ports": [9090],
+    },
     "other-namespace-pod": {"ns": "elsewhere", "labels": {"app": "x"}, "ports": [443]},
     "internet": {"ip": "203.0.113.7", "ports": [443]},
 }
-OUTSIDE = ("kube-dns", "other-namespace-pod", "internet")
+OUTSIDE = ("kube-dns", "prometheus", "other-namespace-pod", "internet")
 INTENDED = {
     *((peer, "gateway", port, "TCP") for peer in OUTSIDE for port in (8000, 50050)),
     ("gateway", "unit", 50053, "TCP"),
+    ("prometheus", "unit", 9400, "TCP"),  # engine metrics, from the monitoring namespace
     ("unit", "scheduler", 50051, "TCP"),
     ("gateway", "kube-dns", 53, "UDP"),
     ("gateway", "kube-dns", 53, "TCP"),
@@ -579,3 +624,46 @@ def test_network_policy_admits_exactly_the_intended_paths(docs: list[dict[str, A
     )
     # The drafter port is never reachable over the network (loopback in the pod only).
     assert not any(a[2] == 50052 for a in ours)
+
+
+# --- operating: metrics, drain, liveness -------------------------------------------------
+
+
+def test_engine_metrics_are_exposed_and_annotated_for_scraping(docs: list[dict[str, Any]]) -> None:
+    from services.verifier.__main__ import DEFAULT_METRICS_PORT
+
+    unit_wl, verifier = _container(docs, "verifier")
+    port = int(flag(argv(verifier), "--metrics-port"))
+    assert port == DEFAULT_METRICS_PORT, "the fixed engine metrics port"
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in verifier["ports"]
+    for wl, want in ((unit_wl, port), (find(docs, "Deployment", "adaserve-gateway"), 8000)):
+        notes = wl["spec"]["template"]["metadata"].get("annotations", {})
+        assert notes.get("prometheus.io/scrape") == "true", wl["metadata"]["name"]
+        assert (
+            int(notes["prometheus.io/port"]) == want and notes["prometheus.io/path"] == "/metrics"
+        )
+    _, gateway = _container(docs, "gateway")
+    assert int(flag(argv(gateway), "--port")) == 8000
+
+
+def test_drain_fits_the_grace_period_and_liveness_follows_the_engine_loop(
+    docs: list[dict[str, Any]],
+) -> None:
+    """The unit's drain (fleet.drain_timeout_s) ends before the kubelet's SIGKILL
+    (terminationGracePeriodSeconds), with room for the exit itself; liveness asks the
+    verifier's `liveness` health entry (the engine loop), readiness its overall health
+    (NOT_SERVING while draining)."""
+    from adaserve.config import FleetSettings
+    from services.verifier.server import LIVENESS
+
+    fleet = FleetSettings(**config_yaml(docs).get("fleet", {}))
+    unit_wl, verifier = _container(docs, "verifier")
+    grace = pod_spec(unit_wl)["terminationGracePeriodSeconds"]
+    assert fleet.drain_timeout_s + 5 <= grace, (fleet.drain_timeout_s, grace)
+    assert fleet.drain_timeout_s >= 30, "streams need more than a few seconds to finish"
+    assert verifier["livenessProbe"]["grpc"].get("service") == LIVENESS
+    assert "service" not in verifier["readinessProbe"]["grpc"]
+    # The gateway keeps serving through its preStop pause and uvicorn's 5 s shutdown.
+    gw_wl, gateway = _container(docs, "gateway")
+    pause = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pause + 5 < pod_spec(gw_wl)["terminationGracePeriodSeconds"]

@@ -264,3 +264,66 @@ def test_taken_ports_are_reported_before_anything_loads(tmp_path: Path) -> None:
             assert time.monotonic() - t0 < 30, name  # no model was loaded first
             if name == "up --port":
                 assert "make up: PORT=N" in r.stderr
+
+
+def test_a_crashing_drafter_is_restarted_and_serving_continues(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """SIGKILL to the drafter under `up`: the streams in flight finish with the target's
+    own output (plain decoding while it is gone), the launcher restarts it on its port,
+    the verifier speculates through it again; a second crash past --max-restarts stops
+    everything with a clear message."""
+    from transformers import AutoTokenizer
+
+    from tests._faults import greedy_reference_ignore_eos, metric, wait_until
+    from tests.test_faults import SSEClient
+
+    target, _ = models
+    # The target drafts for itself: long accepted paths, so a bad re-sync would show.
+    args = ["--target", str(target), "--drafter", str(target)]
+    proc, port = _launch(tmp_path, *args, "--max-restarts", "1", "--restart-window", "600")
+    try:
+        text = _wait_for(proc, r"Press Ctrl-C")
+        url = f"http://127.0.0.1:{port}"
+        engine_metrics = re.search(r"metrics\s+(\S+)\s+\(verifier-0: engine\)", text)
+        assert engine_metrics, text
+        drafts = "adaserve_spec_decode_num_draft_tokens_total"
+        prompts = [[(11 * i + 5 * k) % 90 + 4 for k in range(6 + i)] for i in range(4)]
+        tok = AutoTokenizer.from_pretrained(target)
+        refs = [
+            tok.decode(greedy_reference_ignore_eos(target, p, 400), skip_special_tokens=True)
+            for p in prompts
+        ]
+        clients = [SSEClient(url, p, 400, model="target") for p in prompts]
+        wait_until("streams flowing", lambda: all(len(c.frames) >= 3 for c in clients), 60)
+        before = metric(engine_metrics[1], drafts)
+        assert before > 0, "no speculation before the crash"
+        os.kill(_child_pids(text)["drafter-0"], signal.SIGKILL)
+        assert not all(c.completed for c in clients), "the streams ended before the crash"
+        text = _wait_for(proc, r"restarted drafter-0\s+pid \d+", timeout=60)
+        assert "drafter-0 exited with -9; restarting it in 1 s" in text
+        for c, ref in zip(clients, refs, strict=True):
+            c.join()
+            assert c.completed and c.transport_error is None, c.frames[-2:]
+            assert c.text() == ref
+        # Speculation resumes on the new drafter.
+        after = metric(engine_metrics[1], drafts)
+
+        def drafted_again() -> bool:
+            SSEClient(url, prompts[0], 40, model="target").join()
+            return metric(engine_metrics[1], drafts) > after
+
+        wait_until("drafting on the restarted drafter", drafted_again, timeout=60)
+        assert proc.p.poll() is None, "the launcher stopped"
+        # A second crash within the window is one more than --max-restarts 1 allows.
+        pids = _child_pids(text)
+        os.kill(pids["drafter-0"], signal.SIGKILL)
+        assert proc.p.wait(60) == 1
+        out = proc.log_path.read_text()
+        assert "drafter-0 exited with -9 (2 exits in 600 s); stopping everything" in out
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in pids.values()), pids
+    finally:
+        proc.stop(signal.SIGKILL)

@@ -49,6 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also write verify / draft / prefill ms and iterations per window of "
         "simulated time into summary.json (phase_windows; single runs only)",
     )
+    p.add_argument(
+        "--units", type=int, help="serving units behind the router (default: the workload's)"
+    )
+    p.add_argument(
+        "--routing",
+        choices=["slo", "least_outstanding"],
+        help="how arrivals pick a unit, as the gateway does (default: fleet.routing, slo)",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")
 
@@ -61,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         overrides = _parse_sets(args.set)
         if overrides:
             workload = _with_overrides(workload, overrides)
+        if args.units is not None:
+            if args.units < 1:
+                raise ValueError(f"--units must be >= 1, got {args.units}")
+            workload = workload.model_copy(update={"units": args.units})
         if args.sweep:
             if args.phase_window is not None:
                 raise ValueError("--phase-window is for single runs, not --sweep")
@@ -87,6 +99,7 @@ def _single(args: argparse.Namespace, workload) -> int:
         seed=args.seed,
         k=args.k if args.policy == "spec" else None,
         phase_window_s=args.phase_window,
+        routing=args.routing,
     )
     paths = write_run(Path(args.out), result.summary, result.records, plot=not args.no_plots)
     if not args.quiet:

@@ -5,7 +5,11 @@
 
 Starts scheduler, drafter(s), verifier(s) and gateway on free loopback ports, waits
 until every one is healthy (gRPC health, then the gateway's /ready), prints the URLs
-and stops them all cleanly on Ctrl-C or SIGTERM. Each service runs in its own process
+and stops them all cleanly on Ctrl-C or SIGTERM. A service that exits while serving is
+restarted on its own port after a backoff (1 s, doubling per recent exit, at most 30 s):
+a drafter or scheduler coming back is invisible to clients (the verifier decodes plainly
+or selects in process meanwhile, then re-syncs). Only a service that exits more than
+`--max-restarts` times within `--restart-window` seconds stops the launcher. Each service runs in its own process
 group, so a verifier's tensor-parallel ranks go down with it, and a terminal Ctrl-C
 reaches only the launcher, which then stops the services in reverse order.
 
@@ -24,10 +28,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 STOP_TIMEOUT_S = 10.0
+MAX_BACKOFF_S = 30.0
 DEFAULT_METRICS_PORT = 9400  # services/verifier/__main__.py's default, for unit 0
 
 
@@ -94,6 +100,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every service's log lines: JSON objects or plain text",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restart a service that exits while serving, up to N times within "
+        "--restart-window; one more exit stops everything (0: stop at the first)",
+    )
+    parser.add_argument(
+        "--restart-window",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the window --max-restarts counts exits in",
+    )
+    parser.add_argument(
         "--startup-timeout",
         type=float,
         default=600.0,
@@ -113,6 +134,8 @@ class Service:
     # at startup (`slo.baseline_tpot_ms: auto`), which a model loading beside it skews.
     settle_first: bool = False
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    exits: deque[float] = field(default_factory=deque, repr=False)  # while serving
+    restart_at: float | None = None  # monotonic time of a pending restart
 
     def start(self) -> subprocess.Popen:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it from here
@@ -265,10 +288,23 @@ def check_ports(args: argparse.Namespace) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 5  # exits within window_s that are restarted; one more stops all
+    window_s: float = 60.0
+    backoff_s: float = 1.0  # before the first restart; doubles per recent exit
+
+    def delay_s(self, recent_exits: int) -> float:
+        return min(self.backoff_s * 2 ** max(recent_exits - 1, 0), MAX_BACKOFF_S)
+
+
 class Launcher:
-    def __init__(self, services: list[Service], ready_url: str) -> None:
+    def __init__(
+        self, services: list[Service], ready_url: str, restarts: RestartPolicy | None = None
+    ) -> None:
         self.services = services
         self.ready_url = ready_url
+        self.restarts = restarts or RestartPolicy()
         self.stopping = threading.Event()
 
     def start_all(self, timeout_s: float) -> None:
@@ -302,19 +338,53 @@ class Launcher:
                 self.stopping.wait(0.25)
 
     def watch(self) -> int:
-        """Blocks until a signal (returns 0) or a service dies (returns 1)."""
-        while not self.stopping.wait(0.5):
+        """Blocks until a signal (returns 0) or a service exits more often than the
+        restart policy allows (returns 1); restarts the ones that exit before that."""
+        while not self.stopping.wait(0.25):
+            now = time.monotonic()
             for svc in self.services:
+                if svc.restart_at is not None:
+                    if now >= svc.restart_at:
+                        svc.restart_at = None
+                        proc = svc.start()
+                        print(f"  restarted {svc.name:<10} pid {proc.pid:<7}", flush=True)
+                    continue
                 code = svc.exited()
-                if code is not None:
-                    print(
-                        f"adaserve up: {svc.name} exited with {code}; stopping everything\n"
-                        f"{svc.log_tail()}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                if code is not None and not self._schedule_restart(svc, code, now):
                     return 1
         return 0
+
+    def _schedule_restart(self, svc: Service, code: int, now: float) -> bool:
+        """False when `svc` exited too often to go on (the launcher then stops all)."""
+        policy = self.restarts
+        svc.exits.append(now)
+        while svc.exits and now - svc.exits[0] > policy.window_s:
+            svc.exits.popleft()
+        recent = len(svc.exits)
+        if recent > policy.max_restarts:
+            why = (
+                f"{recent} exits in {policy.window_s:g} s"
+                if policy.max_restarts
+                else "restarts are off (--max-restarts 0)"
+            )
+            print(
+                f"adaserve up: {svc.name} exited with {code} ({why}); stopping everything\n"
+                f"{svc.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        delay = policy.delay_s(recent)
+        svc.signal(signal.SIGKILL)  # leftovers of its group (TP ranks) hold its ports
+        svc.restart_at = now + delay
+        print(
+            f"adaserve up: {svc.name} exited with {code}; restarting it in {delay:g} s "
+            f"(exit {recent} of {policy.max_restarts} allowed in {policy.window_s:g} s)\n"
+            f"{svc.log_tail(10)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def stop_all(self) -> None:
         for svc in reversed(self.services):
@@ -397,6 +467,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--port must be in 1..65535"
     if not 0 <= args.grpc_port < 65536:
         return "--grpc-port must be in 0..65535"
+    if args.max_restarts < 0:
+        return "--max-restarts must be >= 0 (0: stop at the first exit)"
+    if not args.restart_window > 0:
+        return "--restart-window must be > 0 seconds"
     if args.metrics_port and not 0 < args.metrics_port + args.verifier_units <= 65536:
         return "--metrics-port must leave room for one port per unit below 65536 (0: none)"
     return None
@@ -431,7 +505,9 @@ def run(args: argparse.Namespace) -> int:
     services = plan(args, log_dir)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base = f"http://{shown}:{args.port}"
-    launcher = Launcher(services, f"{base}/ready")
+    launcher = Launcher(
+        services, f"{base}/ready", RestartPolicy(args.max_restarts, args.restart_window)
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: launcher.stopping.set())
     mode = "all-in-one" if args.all_in_one else f"{args.verifier_units} unit(s)"

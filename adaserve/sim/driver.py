@@ -2,13 +2,19 @@
 
 Each serving unit is an unmodified `Engine` with a `LocalScheduler` (the real selection
 code), a `SimDrafter` and a `SimTarget` sharing the unit's `VirtualClock`. Events are
-processed in time order: the next arrival (routed to the least-loaded unit) or the next
-iteration of the busy unit that is furthest behind. An idle unit's clock jumps to the
-arrival that wakes it; a busy unit takes a new request when its current iteration ends.
+processed in time order: the next arrival or the next iteration of the busy unit that
+is furthest behind. An idle unit's clock jumps to the arrival that wakes it; a busy unit
+takes a new request when its current iteration ends.
+
+Arrivals are routed by the gateway's own code (`adaserve.routing.route`, setting
+`fleet.routing` or `simulate(routing=...)`): on each unit's `Engine.load()` read at the
+arrival (a report with no delay) and the prefix keys of the prompts it was sent, or by
+least outstanding requests.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -21,6 +27,16 @@ from adaserve.config import Settings
 from adaserve.engine import Engine, EngineFull, RequestStream
 from adaserve.latency import ForwardLatency
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.routing import (
+    POLICIES,
+    Candidate,
+    PrefixLog,
+    RouteRequest,
+    RoutingParams,
+    match_depth,
+    route,
+    token_keys,
+)
 from adaserve.scheduler import LocalScheduler
 from adaserve.sim.acceptance import BetaDraft, build_acceptance
 from adaserve.sim.clock import VirtualClock
@@ -43,6 +59,7 @@ class Unit:
     engine: Engine
     target: SimTarget
     drafter: SimDrafter | None
+    prefixes: PrefixLog  # the prefix keys of the prompts routed here (routing.py)
     # request id -> (stream, record, the unit's clock when the engine took it)
     active: dict[str, tuple[RequestStream, RequestRecord, float]] = field(default_factory=dict)
 
@@ -100,13 +117,17 @@ def simulate(
     k: int | None = None,
     overrides: dict[str, Any] | None = None,
     phase_window_s: float | None = None,
+    routing: str | None = None,
 ) -> SimResult:
     """Replay `workload` under `policy`. `overrides` are adaserve Settings applied over the
     workload's own (a policy's settings still win: spec-K always verifies its chain).
     `phase_window_s`: also report phase time per window of simulated time
-    (`phase_windows` in the summary, see `phase_windows`)."""
+    (`phase_windows` in the summary, see `phase_windows`). `routing`: how arrivals pick
+    a unit, `slo` or `least_outstanding` (None: the settings' `fleet.routing`)."""
     if phase_window_s is not None and not phase_window_s > 0:
         raise ValueError(f"phase window must be > 0 seconds, got {phase_window_s}")
+    if routing is not None and routing not in POLICIES:
+        raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
     if overrides:
         workload = workload.model_copy(
             update={"settings": merge_settings(workload.settings, overrides)}
@@ -158,16 +179,19 @@ def simulate(
                 lambda t, p, _ctx, clock=clock: profile.forward_ms(t, p, 0, clock.now)
             ),
         )
-        units.append(Unit(u, clock, engine, target, drafter))
+        units.append(Unit(u, clock, engine, target, drafter, PrefixLog(settings.fleet.prefix_keys)))
 
+    fleet = settings.fleet
+    params = RoutingParams(routing or fleet.routing, fleet.report_stale_ms / 1000.0, fleet.kv_limit)
     wall0 = time.perf_counter()
-    records = _run(units, requests, spec)
+    records = _run(units, requests, spec, params)
     wall = time.perf_counter() - wall0
     summary = summarize(
         records,
         policy if k is None else f"spec-{k}",
         rps,
         **_extras(units, settings, profile, duration_s, seed, wall, workload),
+        routing=params.policy,
     )
     if phase_window_s is not None:
         summary["phase_windows"] = phase_windows(units, phase_window_s)
@@ -207,8 +231,11 @@ def phase_windows(units: list[Unit], window_s: float) -> dict[str, Any]:
     }
 
 
-def _run(units: list[Unit], requests: list[SimRequest], spec: PolicySpec) -> list[RequestRecord]:
+def _run(
+    units: list[Unit], requests: list[SimRequest], spec: PolicySpec, params: RoutingParams
+) -> list[RequestRecord]:
     pending = deque(requests)
+    ties = itertools.count()  # breaks ties between equally good units, as the gateway
     records: list[RequestRecord] = []
     stalled = 0
     while True:
@@ -218,7 +245,9 @@ def _run(units: list[Unit], requests: list[SimRequest], spec: PolicySpec) -> lis
         if t_arr == math.inf and t_unit == math.inf:
             break
         if t_arr <= t_unit:
-            records.append(_submit(units, pending.popleft(), spec))
+            req = pending.popleft()
+            unit = _route(units, req, params, ties)
+            records.append(_submit(unit, req, spec))
             continue
         unit = min(busy, key=lambda u: (u.clock.now, u.index))
         before = unit.clock.now
@@ -232,8 +261,29 @@ def _run(units: list[Unit], requests: list[SimRequest], spec: PolicySpec) -> lis
     return records
 
 
-def _submit(units: list[Unit], req: SimRequest, spec: PolicySpec) -> RequestRecord:
-    unit = min(units, key=lambda u: (u.engine.stats().tracked, u.index))
+def _route(
+    units: list[Unit], req: SimRequest, params: RoutingParams, ties: itertools.count
+) -> Unit:
+    """The unit `route` picks, from every unit's load as of now (a zero-delay report)."""
+    keys = token_keys(req.prompt_ids(units[0].target.vocab_size))
+    request = RouteRequest(req.ttft_slo_ms, req.prompt_tokens, keys)
+    cands = [
+        Candidate(
+            outstanding=len(u.active),
+            load=u.engine.load() if params.policy == "slo" else None,
+            load_age_s=0.0,
+            tpot_slo_ms=req.tpot_slo_ms,
+            prefix_match=match_depth(keys, u.prefixes),
+        )
+        for u in units
+    ]
+    choices = route(request, cands, params).choices
+    unit = units[choices[next(ties) % len(choices)]]
+    unit.prefixes.touch(keys)
+    return unit
+
+
+def _submit(unit: Unit, req: SimRequest, spec: PolicySpec) -> RequestRecord:
     if not unit.engine.has_work():
         unit.clock.advance_to(req.arrival_s)
     rec = RequestRecord(

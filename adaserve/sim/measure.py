@@ -95,6 +95,11 @@ class _Seqs:
             self.runner.free(sid)
 
 
+def _capacity_tokens(runner) -> int:
+    """Tokens the runner's free KV blocks hold (whole blocks per sequence aside)."""
+    return runner.free_blocks() * runner.block_size
+
+
 def _sync(runner) -> None:
     """CUDA kernels run asynchronously: a timed forward ends when the GPU is done."""
     import torch  # the simulator itself runs without torch
@@ -109,7 +114,17 @@ def measure_baseline_ms(runner, reps: int = 5, seed: int = 0) -> float:
     same point `HardwareProfile.baseline_ms` reads off a measured profile. Leaves no
     sequence behind."""
     rng = np.random.default_rng(seed)
-    seqs = _Seqs(runner, "__baseline", BASELINE_CONTEXT, rng)
+    # A KV cache smaller than the measurement (engine.kv_blocks set low) measures at the
+    # context it holds: the baseline reads a little fast rather than failing startup.
+    per_seq = runner.free_blocks() // MAX_SEQS * runner.block_size - BASELINE_BATCH // MAX_SEQS
+    context = min(BASELINE_CONTEXT, MAX_SEQS * per_seq)
+    if context < MAX_SEQS:
+        raise ValueError(
+            "the KV cache is too small to measure slo.baseline_tpot_ms: auto "
+            f"({_capacity_tokens(runner)} tokens); set slo.baseline_tpot_ms or a larger "
+            "engine.kv_blocks"
+        )
+    seqs = _Seqs(runner, "__baseline", context, rng)
     try:
         step = lambda: seqs.forward(BASELINE_BATCH, rng, chain=True, all_logits=True)  # noqa: E731
         return _median_ms(step, reps)
@@ -133,7 +148,8 @@ def measure_forward_curve(
     from adaserve.model.runner import SeqInput
 
     rng = np.random.default_rng(seed)
-    points = [t for t in tokens if t < runner.max_model_len] or [1]
+    room = min(runner.max_model_len, _capacity_tokens(runner))
+    points = [t for t in tokens if t < room] or [1]
 
     def chunk_ms(n: int, start: int) -> float:
         def once() -> None:
@@ -165,7 +181,7 @@ def measure_forward_curve(
     ms = [chunk_ms(n, 0) for n in points]
     k, s = CONTEXT_PROBE
     context_ms = 0.0
-    if k + s < runner.max_model_len:
+    if k + s < room:
         context_ms = max(0.0, (chunk_ms(k, s) - chunk_ms(k, 0)) / (k * s / 1000.0))
     return [float(t) for t in points], ms, context_ms
 

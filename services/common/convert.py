@@ -8,12 +8,14 @@ everything else is the domain's to validate, with messages that name the field.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from adaserve.request import FINISH_REASONS, TokenLogprobs
+from adaserve.routing import UnitLoad
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from adaserve.selection import (
     ORDERS,
@@ -294,3 +296,40 @@ def speculate_request_from_pb(
         tokens = unpacked(u.new_tokens, I32, f"updates[{k}].new_tokens")
         updates.append(DraftUpdate(u.id, tokens, u.total_len, ingest=u.ingest))
     return updates, msg.depth, msg.width, msg.stop_prob
+
+
+def load_to_pb(load: UnitLoad, loop_age_s: float) -> verifier_pb2.LoadReport:
+    """A unit's load report (prefix keys are the stream's to add)."""
+    return verifier_pb2.LoadReport(
+        running=load.running,
+        waiting=load.waiting,
+        max_running=load.max_running,
+        kv_usage=load.kv_usage,
+        tpot_curve=[verifier_pb2.BatchTpot(batch_size=n, tpot_ms=ms) for n, ms in load.tpot_curve],
+        tightest_slo_ms=load.tightest_slo_ms,
+        prefill_queue_tokens=load.prefill_queue_tokens,
+        prefill_ms_per_token=load.prefill_ms_per_token,
+        draining=load.draining,
+        loop_age_ms=loop_age_s * 1000.0,
+    )
+
+
+def load_from_pb(msg: verifier_pb2.LoadReport) -> UnitLoad:
+    """ValueError on a report routing cannot use (a curve out of order, negative
+    times): the router then treats the unit as not reporting."""
+    curve = tuple((p.batch_size, p.tpot_ms) for p in msg.tpot_curve)
+    if any(b[0] <= a[0] for a, b in itertools.pairwise(curve)):
+        raise ValueError("LoadReport.tpot_curve: batch sizes must increase")
+    if any(not ms > 0 for _, ms in curve) or msg.prefill_ms_per_token < 0:
+        raise ValueError("LoadReport: predicted times must be positive")
+    return UnitLoad(
+        running=msg.running,
+        waiting=msg.waiting,
+        max_running=msg.max_running,
+        kv_usage=msg.kv_usage,
+        tpot_curve=curve,
+        tightest_slo_ms=msg.tightest_slo_ms,
+        prefill_queue_tokens=msg.prefill_queue_tokens,
+        prefill_ms_per_token=msg.prefill_ms_per_token,
+        draining=msg.draining,
+    )

@@ -1,6 +1,8 @@
 """One way to run a grpc.aio server: uvloop, health checking, reflection, domain-error
-mapping, shared options, and a graceful stop on SIGTERM/SIGINT (health goes
-NOT_SERVING first so load balancers drain, then in-flight calls get `grace_s`)."""
+mapping, shared options, and a graceful stop on SIGTERM/SIGINT: health goes NOT_SERVING
+first so load balancers drain, then the service's own `drain` runs (a verifier lets its
+streams finish), then in-flight calls get `grace_s`. A second signal cuts the drain
+short."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -42,17 +44,28 @@ class GrpcServer:
         error_codes: ErrorCodes | None = None,
         max_receive_bytes: int | None = None,
         public: bool = False,
+        on_start: Callable[[GrpcServer], Awaitable[None]] | None = None,
+        drain: Callable[[], Awaitable[None]] | None = None,
+        extra_health: Sequence[str] = (),
     ) -> None:
         """`error_codes` maps domain exceptions to status codes beyond the default
         ValueError -> INVALID_ARGUMENT (see services/common/errors.py);
         `max_receive_bytes` lowers the shared message-size cap and `public` keeps the
-        internal mutual TLS off (both for the gateway's client-facing front)."""
+        internal mutual TLS off (both for the gateway's client-facing front).
+        `on_start` runs once the server serves (background tasks); `drain` runs on the
+        first SIGTERM/SIGINT, after health went NOT_SERVING and before the stop;
+        `extra_health` names health entries of the service's own (a liveness check)
+        that start SERVING and that the stop leaves alone."""
         self.services = list(services)
         self.tls = None if public else tls.current()
         self.address = f"{host}:{port}"
         self.grace_s = grace_s
         self.port = port
         self._health = health.aio.HealthServicer()
+        self._on_start = on_start
+        self._drain = drain
+        self._extra_health = list(extra_health)
+        self._tasks: list[asyncio.Task] = []  # background work, cancelled by stop()
         options = list(SERVER_OPTIONS)
         if max_receive_bytes is not None:
             key = "grpc.max_receive_message_length"
@@ -85,6 +98,10 @@ class GrpcServer:
             raise OSError(f"cannot listen on {self.address}: {exc}") from exc
         await self._server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        for name in self._extra_health:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self._on_start is not None:
+            await self._on_start(self)
         log.info(
             "serving %s on port %d (%s)",
             ", ".join(names),
@@ -93,23 +110,56 @@ class GrpcServer:
         )
         return self.port
 
+    def spawn(self, coro: Coroutine[None, None, None], name: str) -> None:
+        """Runs `coro` beside the server until it stops."""
+        self._tasks.append(asyncio.create_task(coro, name=name))
+
     async def stop(self, grace_s: float | None = None) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in self._tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         await self._server.stop(self.grace_s if grace_s is None else grace_s)
 
+    async def set_health(self, status: int, names: Sequence[str] | None = None) -> None:
+        """Health of `names` (default: the server as a whole and every service)."""
+        if names is None:
+            await self._set_health(status)
+            return
+        for name in names:
+            await self._health.set(name, status)
+
     async def serve_until_signal(self) -> None:
-        stop = asyncio.Event()
+        signals = asyncio.Queue[int]()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
         waiter = asyncio.ensure_future(self._server.wait_for_termination())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            log.info("signal received: draining for up to %.1f s", self.grace_s)
+        first = asyncio.ensure_future(signals.get())
+        await asyncio.wait({waiter, first}, return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            if self._drain is not None:
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                await self._drain_or_signal(signals)
+            log.info("stopping: in-flight calls get up to %.1f s", self.grace_s)
             await self.stop()
-        stopper.cancel()
+        first.cancel()
         await waiter
+
+    async def _drain_or_signal(self, signals: asyncio.Queue[int]) -> None:
+        """The service's drain, cut short by a second signal (an impatient operator)."""
+        assert self._drain is not None
+        drain = asyncio.ensure_future(self._drain())
+        second = asyncio.ensure_future(signals.get())
+        await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            log.warning("second signal: stopping without waiting for the drain")
+            drain.cancel()
+        second.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drain
 
     async def _set_health(self, status: int) -> None:
         for name in ["", *(svc.name for svc in self.services)]:

@@ -76,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"adaserve drafter: {exc}", file=sys.stderr)
         worker.shutdown(wait=False)
         return 2
-    return run_until_signal(lambda: build_server(drafter, args.host, args.port, worker=worker))
+    drain_s = settings.fleet.drain_timeout_s
+    return run_until_signal(
+        lambda: build_server(drafter, args.host, args.port, worker=worker, drain_timeout_s=drain_s)
+    )
 
 
 if __name__ == "__main__":

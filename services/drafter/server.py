@@ -6,6 +6,10 @@ while the model computes (torch releases the GIL inside its kernels). Lost state
 an answer (SpeculateResponse.lost_ids), not an error, so the engine re-syncs those ids.
 A call whose deadline passed while it waited for the worker is dropped unrun: its
 caller has already fallen back, and running it would only delay the calls behind it.
+
+On SIGTERM the drafter keeps serving while its verifier still calls it (in a pod both
+containers get SIGTERM at once, and the verifier drains its streams): it stops once no
+call came for DRAIN_IDLE_S, or after the drain timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from services.common.server import GrpcServer, Service
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 T = TypeVar("T")
+# A draining verifier calls every iteration it drafts in; a CPU batch that plans plain
+# decoding may go longer without, and then decodes plainly for the rest of its drain.
+DRAIN_IDLE_S = 2.0
 
 
 class DeadlinePassed(Exception):
@@ -41,6 +48,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # The thread that loaded the model, where there is one (adaserve/torch_thread.py).
         self._worker = worker or torch_thread("drafter")
         self._fault_delay_s = faults.delay_s(faults.DRAFTER_DELAY_ENV)
+        self.last_call = time.monotonic()  # of any RPC but Stats (the drain watches it)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -48,6 +56,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Speculate(
         self, request: drafter_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.SpeculateResponse:
+        self.last_call = time.monotonic()
         t0 = time.perf_counter_ns()
         updates, depth, width, stop_prob = speculate_request_from_pb(request)
         t1 = time.perf_counter_ns()
@@ -82,6 +91,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Release(
         self, request: drafter_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.ReleaseResponse:
+        self.last_call = time.monotonic()
         await self._run(self.drafter.release, list(request.ids))
         return drafter_pb2.ReleaseResponse()
 
@@ -93,6 +103,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def drain(self, timeout_s: float, idle_s: float = DRAIN_IDLE_S) -> None:
+        """Serve until no call came for `idle_s` (the verifier is done) or `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            quiet = time.monotonic() - self.last_call
+            if quiet >= idle_s:
+                return
+            await asyncio.sleep(min(idle_s - quiet, max(deadline - time.monotonic(), 0.0)))
 
 
 def _timing(t0: int, t1: int, t2: int, t3: int) -> common_pb2.ServerTiming:
@@ -108,7 +127,10 @@ def build_server(
     *,
     grace_s: float = 5.0,
     worker: ThreadPoolExecutor | None = None,
+    drain_timeout_s: float | None = None,
 ) -> GrpcServer:
+    """`drain_timeout_s`: on SIGTERM, serve while the verifier still calls, up to this
+    long (None: stop at once)."""
     servicer = DrafterServicer(drafter, worker)
     return GrpcServer(
         [
@@ -124,4 +146,5 @@ def build_server(
             KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
             DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
         },
+        drain=None if drain_timeout_s is None else lambda: servicer.drain(drain_timeout_s),
     )

@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if metrics_port:
         from prometheus_client import start_http_server
 
+        from adaserve.metrics import export_vllm_names
+
+        export_vllm_names(engine.info().model)  # vLLM dashboards find the shared series
         try:
             start_http_server(metrics_port, addr=args.host)
         except OSError as exc:  # taken while the model loaded

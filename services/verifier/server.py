@@ -5,11 +5,18 @@ rendering chat messages with the target's chat template, off the event loop), su
 it, and relays the engine's `TokenDelta`s. When the call ends early for any reason
 (client cancelled, gateway gone, deadline) the request is aborted, which frees its KV
 on the verifier and the drafter.
+
+Operating a fleet: `Load` streams this unit's load to each gateway (SLO-aware routing,
+adaserve/routing.py); on SIGTERM `drain` stops admission (new requests get UNAVAILABLE,
+which gateways retry on another unit), tells the gateways at once, and lets the
+requests in flight finish for up to `fleet.drain_timeout_s`; a watchdog fails the
+`liveness` health check (and readiness) while the engine loop makes no progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -19,18 +26,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from adaserve.chat import render as chat_render
 from adaserve.chat import tool_call_format
 from adaserve.config import Settings
-from adaserve.engine import Engine, EngineFull
+from adaserve.engine import Engine, EngineDraining, EngineFull
 from adaserve.request import GenerationRequest, SamplingParams, StructuredOutput, TokenDelta
+from adaserve.routing import PrefixLog
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from adaserve.sampling import sequence_seed
 from adaserve.slo import describe
 from adaserve.stream import RequestStream
-from services.common.convert import finish_reason_to_pb, logprobs_to_pb
+from services.common.convert import finish_reason_to_pb, load_to_pb, logprobs_to_pb
 from services.common.server import GrpcServer, Service
 
 log = logging.getLogger("adaserve.verifier")
@@ -38,6 +47,11 @@ log = logging.getLogger("adaserve.verifier")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
 CUSTOM_SLO_CLASS = "custom"
 RETRY_AFTER_S = 1
+# The health entry Kubernetes' liveness probe asks for (`grpc.service: liveness`): NOT_SERVING
+# only while the engine loop is wedged, so a draining unit (readiness NOT_SERVING) is
+# not restarted under its streams.
+LIVENESS = "liveness"
+MIN_REPORT_INTERVAL_S = 0.01
 
 
 class VerifierServicer(vgrpc.VerifierServicer):
@@ -51,6 +65,11 @@ class VerifierServicer(vgrpc.VerifierServicer):
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._pieces: dict[int, str] = {}  # token id -> its text alone (tokenizer thread)
         self._siblings: dict[str, list[str]] = {}  # request id -> its n engine ids
+        self.prefixes = PrefixLog(settings.fleet.prefix_keys)
+        self._generating = 0  # Generate calls past admission, not yet ended
+        self._changed = asyncio.Event()  # replaced each time it fires (_notify)
+        self._closed = False  # drained: Load streams end
+        self._wedged = False
 
     async def Generate(
         self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -92,12 +111,18 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 str(exc),
                 trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),),
             )
+        except EngineDraining as exc:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError:
             for s in streams:
                 self.engine.abort(s.request_id)
             raise
         req, stream = reqs[0], streams[0]
         self._siblings[req.id] = ids
+        self.prefixes.touch(request.prefix_keys)
+        self._generating += 1
         log.info(
             "request admitted",
             extra={
@@ -137,6 +162,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
                     chunk.logprobs.CopyFrom(logprobs_to_pb(lp, pieces))
                 yield chunk
         finally:
+            self._generating -= 1
             self._siblings.pop(req.id, None)
             for rid in running:
                 # Cancelled mid-stream (the exception propagates on its own).
@@ -205,6 +231,91 @@ class VerifierServicer(vgrpc.VerifierServicer):
             drafter_healthy=s.drafter_healthy,
             scheduler_healthy=s.scheduler_healthy,
         )
+
+    async def Load(
+        self, request: vpb.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[vpb.LoadReport]:
+        interval_ms = request.interval_ms or self.settings.fleet.report_interval_ms
+        interval_s = max(interval_ms / 1000.0, MIN_REPORT_INTERVAL_S)
+        cursor: int | None = None  # this reader's place in the prefix-key log
+        while True:
+            changed = self._changed
+            report = load_to_pb(self.engine.load(), self.engine.loop_age_s())
+            keys, reset, cursor = self.prefixes.since(cursor)
+            report.prefix_keys.extend(keys)
+            report.prefix_reset = reset
+            report.prefix_capacity = self.prefixes.capacity
+            yield report
+            if self._closed:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), interval_s)
+
+    # -- operating: drain and liveness -------------------------------------------------
+
+    def _notify(self) -> None:
+        """Every Load stream reports now (draining, closing)."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def drain(self) -> None:
+        """SIGTERM: take nothing new, report it at once, let what is in flight finish
+        (up to fleet.drain_timeout_s), then end the Load streams so the server stops."""
+        timeout_s = self.settings.fleet.drain_timeout_s
+        self.engine.drain()
+        self._notify()
+        held = self.engine.stats().tracked
+        log.info(
+            f"draining: {held} request(s) in flight get up to {timeout_s:g} s to finish",
+            extra={"requests": held, "drain_timeout_s": timeout_s},
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.engine.stats().tracked or self._generating:
+            if loop.time() >= deadline:
+                log.warning(
+                    "drain timed out: ending the requests still in flight",
+                    extra={"requests": self.engine.stats().tracked},
+                )
+                break
+            await asyncio.sleep(0.05)
+        else:
+            log.info("drained: every request in flight finished")
+        self._closed = True
+        self._notify()
+
+    async def start_watch(self, server: GrpcServer) -> None:
+        """GrpcServer's on_start: the liveness watchdog runs beside the service."""
+        server.spawn(self._watch_loop(server), "verifier-watch")
+
+    async def _watch_loop(self, server: GrpcServer) -> None:
+        """Liveness follows the engine loop: NOT_SERVING (liveness and readiness) while it
+        has made no progress for fleet.liveness_timeout_s, SERVING again if it recovers.
+        Also refreshes the load gauges (adaserve_slo_pressure, ...) every second."""
+        timeout_s = self.settings.fleet.liveness_timeout_s
+        period_s = min(1.0, timeout_s / 4)
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        while True:
+            await asyncio.sleep(period_s)
+            age = self.engine.loop_age_s()
+            wedged = age > timeout_s
+            if wedged and not self._wedged:
+                log.error(
+                    f"engine loop made no progress for {age:.1f} s: failing liveness",
+                    extra={"loop_age_s": round(age, 1), "liveness_timeout_s": timeout_s},
+                )
+                await server.set_health(not_serving)
+                await server.set_health(not_serving, [LIVENESS])
+            elif self._wedged and not wedged:
+                log.warning("engine loop progressing again: liveness restored")
+                await server.set_health(serving, [LIVENESS])
+                if not self.engine.draining:
+                    await server.set_health(serving)
+            self._wedged = wedged
+            self.engine.load()
 
     # -- conversion ------------------------------------------------------------------
 
@@ -463,4 +574,9 @@ def build_server(
         [Service(SERVICE_NAME, lambda s: vgrpc.add_VerifierServicer_to_server(servicer, s))],
         host,
         port,
+        # What the drain left running is cut after this (it already had its time).
+        grace_s=1.0,
+        on_start=servicer.start_watch,
+        drain=servicer.drain,
+        extra_health=[LIVENESS],
     )

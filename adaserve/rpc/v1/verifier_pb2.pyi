@@ -134,7 +134,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "tpot_slo_ms", "slo_class", "priority", "timeout_s", "client_request_id", "ttft_slo_ms", "n", "echo")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "tpot_slo_ms", "slo_class", "priority", "timeout_s", "client_request_id", "ttft_slo_ms", "prefix_keys", "n", "echo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class GenerateRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -159,9 +160,10 @@ class GenerateRequest(_message.Message):
     timeout_s: float
     client_request_id: str
     ttft_slo_ms: float
+    prefix_keys: _containers.RepeatedScalarFieldContainer[int]
     n: int
     echo: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_request_id: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_request_id: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., prefix_keys: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated", "ttft_ms", "tpot_slo_ms", "slo_class", "best_effort", "error", "server_elapsed_ms", "slo_floor_ms", "best_effort_reason", "ttft_slo_ms", "index", "logprobs", "prompt_text")
@@ -331,3 +333,47 @@ class VerifierStatsResponse(_message.Message):
     drafter_healthy: bool
     scheduler_healthy: bool
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., iterations: _Optional[int] = ..., drafter_healthy: _Optional[bool] = ..., scheduler_healthy: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: float
+    def __init__(self, interval_ms: _Optional[float] = ...) -> None: ...
+
+class BatchTpot(_message.Message):
+    __slots__ = ("batch_size", "tpot_ms")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    tpot_ms: float
+    def __init__(self, batch_size: _Optional[int] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("running", "waiting", "max_running", "kv_usage", "tpot_curve", "tightest_slo_ms", "prefill_queue_tokens", "prefill_ms_per_token", "draining", "loop_age_ms", "prefix_keys", "prefix_reset", "prefix_capacity")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TPOT_CURVE_FIELD_NUMBER: _ClassVar[int]
+    TIGHTEST_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOOP_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_RESET_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    max_running: int
+    kv_usage: float
+    tpot_curve: _containers.RepeatedCompositeFieldContainer[BatchTpot]
+    tightest_slo_ms: float
+    prefill_queue_tokens: int
+    prefill_ms_per_token: float
+    draining: bool
+    loop_age_ms: float
+    prefix_keys: _containers.RepeatedScalarFieldContainer[int]
+    prefix_reset: bool
+    prefix_capacity: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tpot_curve: _Optional[_Iterable[_Union[BatchTpot, _Mapping]]] = ..., tightest_slo_ms: _Optional[float] = ..., prefill_queue_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ..., draining: _Optional[bool] = ..., loop_age_ms: _Optional[float] = ..., prefix_keys: _Optional[_Iterable[int]] = ..., prefix_reset: _Optional[bool] = ..., prefix_capacity: _Optional[int] = ...) -> None: ...

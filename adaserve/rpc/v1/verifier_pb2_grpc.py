@@ -64,6 +64,11 @@ class VerifierStub:
                 request_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_stream(
+                '/adaserve.rpc.v1.Verifier/Load',
+                request_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
+                response_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -120,6 +125,16 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """This unit's load, for SLO-aware routing: one report at once, then one every
+        interval, and another at once when the unit starts draining. Runs until the caller
+        cancels it or the unit stops; a gateway holds one per unit instead of polling per
+        request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +167,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeRequest.FromString,
                     response_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_stream_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadRequest.FromString,
+                    response_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +336,33 @@ class Verifier:
             '/adaserve.rpc.v1.Verifier/Detokenize',
             adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeRequest.SerializeToString,
             adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/adaserve.rpc.v1.Verifier/Load',
+            adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
+            adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
