@@ -270,7 +270,13 @@ class GatewaySettings(BaseModel):
     max_tokens_limit: PositiveInt = 4096
     max_prompt_chars: PositiveInt = 200_000
     max_stop_strings: PositiveInt = 8
-    max_n: PositiveInt = 1
+    # Sequences per prompt (n, and best_of) and prompts per /v1/completions request.
+    max_n: PositiveInt = 16
+    max_prompts: PositiveInt = 32
+    # Fields no OpenAI or vLLM schema adaserve knows: ignored (OpenAI's behaviour, so
+    # newer clients keep working) or refused with a 400 naming them. Known fields are
+    # always honoured or refused, never ignored.
+    unknown_fields: Literal["ignore", "reject"] = "ignore"
     # Requests larger than these are refused (413 / 431) before they are parsed; the
     # body limit also caps the gRPC front's message size.
     max_body_bytes: PositiveInt = 4 * 1024 * 1024

@@ -46,7 +46,9 @@ from adaserve.batching import BatchLimits, BatchPlan, Decoding, Prefilling, form
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
+from adaserve.grammar import Constraint, GrammarBackend
 from adaserve.latency import Curve, ForwardLatency
+from adaserve.logits_process import LogitsContext
 from adaserve.methods import (
     SOURCES,
     USES_MODEL,
@@ -60,7 +62,7 @@ from adaserve.methods import (
     resolve_method,
     scale_f,
 )
-from adaserve.request import GenerationRequest, TokenDelta
+from adaserve.request import GenerationRequest, TokenDelta, TokenLogprobs
 from adaserve.routing import UnitLoad
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
@@ -149,6 +151,11 @@ class _Request:
     method: str = "auto"  # speculation method asked for (adaserve/methods.py)
     source: str = "none"  # what drafted this iteration's tree (methods.SOURCES)
     finished: bool = False
+    constraint: Constraint | None = None  # structured output: the grammar's matcher
+    prompt_ids: np.ndarray | None = None  # int32 [P], for the logits processors
+    # Tokens that end the output (eos unless ignore_eos, stop_token_ids): min_tokens
+    # holds them back, the grammar never consumes them.
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt(self) -> int:
@@ -236,6 +243,13 @@ class Engine:
         self.target = target
         self.settings = settings
         self.tokenizer = tokenizer
+        # Structured output needs the tokenizer (the grammar is over text); its
+        # llguidance tokenizer is built on the first request that uses it.
+        self.grammar = (
+            GrammarBackend(tokenizer, target.vocab_size, target.eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
         self.clock = clock
         self.model_name = model_name
         self.local_scheduler = LocalScheduler(settings.scheduler)
@@ -508,6 +522,7 @@ class Engine:
         trees = self._speculate(step)
         t1 = self.clock()
         selected = self._select(step, trees)
+        selected, masks = self._constrain(step.decoding, selected)
         step, selected = self._fit_kv(step, selected)
         t2 = self.clock()
         items = [
@@ -517,6 +532,7 @@ class Engine:
                 r.req.sampling,
                 r.generator,
                 r.req.sampling.max_tokens - r.num_generated,
+                self._logits_context(r, masks.get(r.req.id)),
             )
             for r, tree in zip(step.decoding, selected, strict=True)
         ]
@@ -524,14 +540,15 @@ class Engine:
         t3 = self.clock()
         for r, tree, res in zip(step.decoding, selected, result.verified, strict=True):
             self._record_spec(r.source, tree, res.accepted_nodes, len(res.emitted_tokens))
-            self._apply(r, res.emitted_tokens.tolist(), t3)
+            self._apply(r, res.emitted_tokens.tolist(), t3, res.logprobs)
         if step.decoding:
             emitted = sum(len(res.emitted_tokens) for res in result.verified)
             self._observe_tpot(len(step.decoding), emitted, (t3 - start) * 1000.0)
-        for (r, chunk), first in zip(step.chunks, result.first_tokens, strict=True):
+        first_lp = result.first_logprobs or [None] * len(step.chunks)
+        for (r, chunk), first, lp in zip(step.chunks, result.first_tokens, first_lp, strict=True):
             r.prefilled += len(chunk.tokens)
             if first is not None:
-                self._apply(r, [first], t3)
+                self._apply(r, [first], t3, lp)
         self._observe_iteration(step, selected, t0, t1, t2, t3)
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
@@ -598,7 +615,13 @@ class Engine:
             # The chunk that completes a prompt samples the first token; one that
             # completes a preempted request's recompute does not (its root is known).
             last = r.prefilled + n == r.prefill_target and r.num_generated == 0
-            chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator)
+            logits = None
+            if last and r.req.sampling.processes_logits:
+                first_masks = None
+                if r.constraint is not None:
+                    first_masks = r.constraint.tree_masks(CandidateTree.root_only(0))[1]
+                logits = self._logits_context(r, first_masks)
+            chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator, logits)
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
 
@@ -818,6 +841,26 @@ class Engine:
             selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
 
+    def _constrain(
+        self, decoding: list[_Request], trees: list[CandidateTree]
+    ) -> tuple[list[CandidateTree], dict[str, np.ndarray]]:
+        """Structured output: each constrained tree without the branches its grammar
+        rejects (they could never be accepted), and the grammar's mask at every node
+        that is left, by request id."""
+        masks: dict[str, np.ndarray] = {}
+        out = list(trees)
+        for i, r in enumerate(decoding):
+            if r.constraint is not None:
+                out[i], masks[r.req.id] = r.constraint.tree_masks(trees[i])
+        return out, masks
+
+    def _logits_context(self, r: _Request, masks: np.ndarray | None) -> LogitsContext | None:
+        """What the target needs to process this request's rows; None: nothing to do."""
+        if not r.req.sampling.processes_logits or r.prompt_ids is None:
+            return None
+        output = np.asarray(r.tokens[r.num_prompt :], dtype=np.int32)
+        return LogitsContext(r.req.sampling, r.prompt_ids, output, r.stop_ids, masks)
+
     def _optimal_invalid(
         self, progress: list[RequestProgress], trees: list[CandidateTree], params: SelectionParams
     ) -> Selection:
@@ -883,7 +926,9 @@ class Engine:
         metrics.preemptions_total.inc()
         log.debug("preempted %s (%d tokens) for KV", r.req.id, len(r.tokens))
 
-    def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
+    def _apply(
+        self, r: _Request, emitted: list[int], now: float, logprobs: TokenLogprobs | None = None
+    ) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
         if r.finished:
             return
@@ -902,6 +947,9 @@ class Engine:
                 finish = "length"
                 break
         r.tokens.extend(kept)
+        if r.constraint is not None and not r.constraint.advance(kept):
+            self._finish(r, "error", error="structured output: the grammar refused a token")
+            return
         first = r.first_token_t is None and bool(kept)
         if first:
             r.first_token_t = now
@@ -928,6 +976,7 @@ class Engine:
                 num_generated=r.num_generated,
                 ttft_ms=(now - r.arrival) * 1000.0 if first else None,
                 best_effort=r.best_effort,
+                logprobs=None if logprobs is None else logprobs.head(len(kept)),
             )
         )
         if finish is not None:
@@ -956,6 +1005,15 @@ class Engine:
         vocab = self.target.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in sp.token_ids()):
+            raise ValueError(
+                f"logit_bias, allowed_token_ids and bad_words: token ids must be in [0, {vocab})"
+            )
+        if sp.structured is not None:
+            if self.grammar is None:
+                raise ValueError(f"{sp.structured.field}: this unit has no tokenizer")
+            if sp.ignore_eos:
+                raise ValueError(f"{sp.structured.field}: cannot be combined with ignore_eos")
         if sp.temperature < 0 or not (0 < sp.top_p <= 1) or sp.top_k < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
         check_available(self._method(req), self.methods)
@@ -977,7 +1035,13 @@ class Engine:
                 return
             if item[0] == "submit":
                 req, stream, arrival = item[1]
-                self._waiting.append(self._new_request(req, stream, arrival))
+                r = self._new_request(req, stream, arrival)
+                self._waiting.append(r)
+                if req.sampling.structured is not None and self.grammar is not None:
+                    try:  # compiled at submit by the service already: cached, cheap
+                        r.constraint = self.grammar.constraint(req.sampling.structured, r.stop_ids)
+                    except (ValueError, RuntimeError) as exc:
+                        self._finish(r, "error", error=str(exc))
             else:
                 self._abort(item[1])
 
@@ -988,17 +1052,22 @@ class Engine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, stop=tuple(req.sampling.stop))
         ttft = req.ttft_slo_ms if req.ttft_slo_ms is not None else UNSET_TTFT_ORDER_MS
+        sp = req.sampling
         r = _Request(
             req=req,
             stream=stream,
             arrival=arrival,
             tokens=list(req.prompt_token_ids),
             detok=detok,
-            generator=self.target.make_generator(req.sampling.seed),
+            generator=self.target.make_generator(sp.seed),
             ttft_deadline=arrival + ttft / 1000.0,
             prefill_target=len(req.prompt_token_ids),
             method=self._method(req),
+            stop_ids=tuple(sp.stop_token_ids)
+            + (() if sp.ignore_eos else tuple(self.target.eos_token_ids)),
         )
+        if sp.processes_logits:
+            r.prompt_ids = np.asarray(req.prompt_token_ids, dtype=np.int32)
         r.best_effort = self._judge_best_effort(r)
         return r
 
@@ -1015,10 +1084,19 @@ class Engine:
         # keeps its arrival, so it goes back in front of later ones).
         self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
         watermark = math.ceil(self.settings.engine.kv_watermark * self.target.num_blocks)
-        while self._waiting and len(self._running) < self.settings.engine.max_running:
+        # n > 1: a sibling waits until the prompt it shares is prefilled, then takes
+        # that KV from the prefix cache instead of computing it again.
+        unprefilled = {r.req.id for r in self._waiting}
+        unprefilled |= {r.req.id for r in self._running.values() if r.prefilling}
+        i = 0
+        while i < len(self._waiting) and len(self._running) < self.settings.engine.max_running:
             if self.target.free_blocks() <= watermark:
                 break
-            r = self._waiting.pop(0)
+            r = self._waiting[i]
+            if r.req.fork_of is not None and r.req.fork_of in unprefilled:
+                i += 1
+                continue
+            self._waiting.pop(i)
             tokens = r.tokens[: r.prefill_target]
             r.prefilled = self.target.add_sequence(r.req.id, tokens)
             metrics.prefix_cache_queries.inc(len(tokens))

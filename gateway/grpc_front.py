@@ -76,7 +76,8 @@ class GatewayServicer(ggrpc.GatewayServicer):
         await self._authorize(context)
         try:
             parsed = model.model_validate(body)
-            spec = build(parsed, self.gw.settings, {}, self.gw.slo_classes())
+            built = build(parsed, self.gw.settings, {}, self.gw.slo_classes())
+            spec = built[0] if isinstance(built, list) else built  # one prompt here
         except ValidationError as exc:
             err = from_validation(exc.errors()[0])
             self.gw.rejected(endpoint, err)

@@ -599,16 +599,32 @@ def test_client_disconnect_frees_state(stack: Stack, stream: bool) -> None:
     assert "adaserve_gateway_requests_in_flight 0.0" in metrics
 
 
-def test_timeout_ends_the_request(stack: Stack) -> None:
-    out = stack.client().completions.create(
+def test_timeout_is_an_openai_error(stack: Stack) -> None:
+    """OpenAI clients know no finish_reason "timeout": a request past its deadline is a
+    408 in OpenAI's error shape, or, once streaming, an error frame (the client raises)
+    and no [DONE]. Its state is freed either way."""
+    kw = dict(
         model="tiny",
         prompt="slow",
         max_tokens=480,
         temperature=0,
         extra_body={"ignore_eos": True, "timeout": 0.3},
     )
-    assert out.choices[0].finish_reason == "timeout"
-    assert out.usage.completion_tokens < 480
+    with pytest.raises(openai.APIStatusError) as info:
+        stack.client().completions.create(**kw)
+    assert info.value.status_code == 408
+    assert info.value.body["code"] == "timeout" and info.value.body["param"] == "timeout"
+    assert stack.wait_idle().num_requests == 0
+    with pytest.raises(openai.APIError) as streamed:
+        for _ in stack.client().completions.create(stream=True, **kw):
+            pass
+    assert "timed out" in streamed.value.message
+    body = {"model": "tiny", "prompt": "slow", "max_tokens": 480, "ignore_eos": True}
+    _, frames = _stream_frames(
+        f"{stack.url}/v1/completions", body | {"stream": True, "timeout": 0.3}
+    )
+    assert frames[-1]["error"]["code"] == "timeout"
+    assert all(f.get("choices", [{}])[0].get("finish_reason") in (None,) for f in frames[:-1])
     assert stack.wait_idle().num_requests == 0
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaserve.request import FINISH_REASONS, SPECULATION_METHODS
+from adaserve.request import FINISH_REASONS, SPECULATION_METHODS, TokenLogprobs
 from adaserve.routing import UnitLoad
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from adaserve.selection import (
@@ -117,6 +117,30 @@ def finish_reason_from_pb(value: int) -> str | None:
     """The finish reason of a wire enum: None for UNSPECIFIED (the stream goes on); a
     value this build does not know (a newer server) reads as "error"."""
     return _FINISH_FROM_PB.get(value, "error")
+
+
+# ---- logprobs -------------------------------------------------------------------------
+
+
+def logprobs_to_pb(lp: TokenLogprobs, pieces: dict[int, str]) -> verifier_pb2.TokenLogprobs:
+    return verifier_pb2.TokenLogprobs(
+        logprobs=packed(lp.logprobs, F32),
+        top_k=int(lp.top_ids.shape[1]),
+        top_token_ids=packed(lp.top_ids, I32),
+        top_logprobs=packed(lp.top_logprobs, F32),
+        pieces=pieces,
+    )
+
+
+def logprobs_from_pb(msg: verifier_pb2.TokenLogprobs, n: int) -> TokenLogprobs:
+    """The log-probabilities of a chunk of `n` tokens; WireError on a ragged message."""
+    lp = unpacked(msg.logprobs, F32, "logprobs.logprobs")
+    ids = unpacked(msg.top_token_ids, I32, "logprobs.top_token_ids")
+    top = unpacked(msg.top_logprobs, F32, "logprobs.top_logprobs")
+    k = msg.top_k
+    if lp.shape[0] != n or k < 0 or ids.shape[0] != n * k or top.shape[0] != n * k:
+        raise WireError(f"logprobs: {lp.shape[0]} values and top_k {k} for {n} tokens")
+    return TokenLogprobs(lp, ids.reshape(n, k), top.reshape(n, k))
 
 
 # ---- trees ----------------------------------------------------------------------------
