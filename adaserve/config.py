@@ -25,20 +25,35 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# What drafts a request's trees (request field `speculation.method`, per SLO class,
+# `speculation.default_method`): adaserve/methods.py.
+SpeculationMethod = Literal["auto", "model", "eagle", "ngram", "none"]
+
+
+def _no_eagle(method: str | None) -> str | None:
+    # "eagle" is a valid request value (refused per request as not available) but no
+    # unit ships an EAGLE drafter yet: as a deployment default every request would fail.
+    if method == "eagle":
+        raise ValueError("speculation method 'eagle' is not available: no EAGLE drafter ships")
+    return method
+
 
 class SLOClass(BaseModel):
     """A named TPOT SLO: an absolute target, or a multiple of the deployment's baseline
     per-token latency (the AdaServe coding class is 1.2x baseline); optionally a TTFT
-    SLO (time to first token, ms) too."""
+    SLO (time to first token, ms) too, and the speculation method its requests get
+    when they name none (None: `speculation.default_method`)."""
 
     tpot_ms: PositiveFloat | None = None
     baseline_scale: PositiveFloat | None = None
     ttft_ms: PositiveFloat | None = None
+    speculation: SpeculationMethod | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> SLOClass:
         if (self.tpot_ms is None) == (self.baseline_scale is None):
             raise ValueError("an SLO class sets exactly one of tpot_ms or baseline_scale")
+        _no_eagle(self.speculation)
         return self
 
     def resolve_ms(self, baseline_tpot_ms: float) -> float:
@@ -182,6 +197,48 @@ class EngineSettings(BaseModel):
     unattainable_slo: Literal["best_effort", "reject"] = "best_effort"
 
 
+class NgramSettings(BaseModel):
+    """The n-gram drafter in the verifier (adaserve/ngram.py): trees from matches of a
+    request's recent tokens in its own prompt and output."""
+
+    enabled: bool = True
+    min_n: PositiveInt = 1  # the shortest match that drafts
+    max_n: PositiveInt = 16  # matches are compared backwards this far at most
+    max_matches: PositiveInt = 32  # most recent occurrences a tree is built from
+    # Pseudo-continuations agreeing with nothing, fewer for longer matches:
+    # q = count / (matches + prior_count / match_length ** length_power) (ngram.py).
+    prior_count: PositiveFloat = 2.2
+    length_power: NonNegativeFloat = 1.6
+    # Its draft steps cost no forward, so it drafts deeper than the model; selection
+    # verifies only the nodes whose f pays for their verify time.
+    depth: PositiveInt = 8
+    width: PositiveInt = 2
+    # Prior of its learned per-level acceptance (where it proposes a tree), which
+    # decides whether `auto` verifies its trees where the model does not draft.
+    acceptance: float = Field(default=0.5, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> NgramSettings:
+        if self.min_n > self.max_n:
+            raise ValueError("speculation.ngram: min_n must be <= max_n")
+        return self
+
+
+class SpeculationSettings(BaseModel):
+    """Which drafter drafts each request (adaserve/methods.py): `auto` picks per request
+    and per iteration from the learned acceptance of each method, the load and the SLO;
+    an SLO class may set its own (`slo.classes.<name>.speculation`), a request its own
+    (`speculation.method`)."""
+
+    default_method: SpeculationMethod = "auto"
+    ngram: NgramSettings = Field(default_factory=NgramSettings)
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculationSettings:
+        _no_eagle(self.default_method)
+        return self
+
+
 class ServiceAddresses(BaseModel):
     scheduler: str | None = None  # host:port; None -> in-process selection
     drafter: str | None = None  # host:port; None -> in-process drafter
@@ -224,7 +281,13 @@ class GatewaySettings(BaseModel):
     max_tokens_limit: PositiveInt = 4096
     max_prompt_chars: PositiveInt = 200_000
     max_stop_strings: PositiveInt = 8
-    max_n: PositiveInt = 1
+    # Sequences per prompt (n, and best_of) and prompts per /v1/completions request.
+    max_n: PositiveInt = 16
+    max_prompts: PositiveInt = 32
+    # Fields no OpenAI or vLLM schema adaserve knows: ignored (OpenAI's behaviour, so
+    # newer clients keep working) or refused with a 400 naming them. Known fields are
+    # always honoured or refused, never ignored.
+    unknown_fields: Literal["ignore", "reject"] = "ignore"
     # Requests larger than these are refused (413 / 431) before they are parsed; the
     # body limit also caps the gRPC front's message size.
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
@@ -293,6 +356,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
+    speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     services: ServiceAddresses = Field(default_factory=ServiceAddresses)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tls: TLSSettings = Field(default_factory=TLSSettings)

@@ -13,7 +13,9 @@ deadline, then throughput. The drafter, the scheduler and the target are interfa
 in-process or gRPC, real or modelled (the simulator runs this same code). The drafter
 and the scheduler are wrapped once at start-up (adaserve/fallback.py), so a failing
 drafter degrades to plain decoding and a failing scheduler to in-process selection
-without a branch in the step.
+without a branch in the step. Beside the draft model, an n-gram drafter (adaserve/
+ngram.py) may draft from the request's own tokens; which of them drafts each request
+each iteration is its speculation method's choice (adaserve/methods.py).
 """
 
 from __future__ import annotations
@@ -32,13 +34,35 @@ from typing import Literal
 import numpy as np
 
 from adaserve import metrics
-from adaserve.adaptive import AcceptanceEstimate, SLOFloor, plan_depth_width, slack_plan, slo_floor
+from adaserve.adaptive import (
+    AcceptanceEstimate,
+    SLOFloor,
+    cost_depth,
+    plan_depth_width,
+    slack_plan,
+    slo_floor,
+)
 from adaserve.batching import BatchLimits, BatchPlan, Decoding, Prefilling, form_batch
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
+from adaserve.grammar import Constraint, GrammarBackend
 from adaserve.latency import Curve, ForwardLatency
-from adaserve.request import GenerationRequest, TokenDelta
+from adaserve.logits_process import LogitsContext
+from adaserve.methods import (
+    SOURCES,
+    USES_MODEL,
+    USES_NGRAM,
+    SourceStats,
+    available_methods,
+    chain_tokens,
+    check_available,
+    choose_source,
+    expected_tokens,
+    resolve_method,
+    scale_f,
+)
+from adaserve.request import GenerationRequest, TokenDelta, TokenLogprobs
 from adaserve.routing import UnitLoad
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
@@ -47,7 +71,7 @@ from adaserve.slo import SLOVerdict, judge, required_accepted
 from adaserve.speculate import Drafter, DraftUpdate
 from adaserve.stream import RequestStream
 from adaserve.target import PrefillChunk, TargetModel, VerifyItem
-from adaserve.tree import CandidateTree
+from adaserve.tree import CandidateTree, merge_trees
 
 __all__ = [
     "Engine",
@@ -89,6 +113,7 @@ class EngineInfo:
     baseline_tpot_ms: float
     speculative: bool
     slo_floor_ms: float  # the best TPOT one request alone can expect (Engine.slo_floor)
+    speculation_methods: tuple[str, ...] = ("auto", "none")  # what requests may ask for
 
 
 @dataclass(frozen=True)
@@ -122,7 +147,15 @@ class _Request:
     # last, which roots the next tree again (recompute, not swap).
     prefill_target: int = 0
     drafter_len: int = 0  # tokens the drafter holds as committed
+    ngram_len: int = 0  # tokens the n-gram drafter holds
+    method: str = "auto"  # speculation method asked for (adaserve/methods.py)
+    source: str = "none"  # what drafted this iteration's tree (methods.SOURCES)
     finished: bool = False
+    constraint: Constraint | None = None  # structured output: the grammar's matcher
+    prompt_ids: np.ndarray | None = None  # int32 [P], for the logits processors
+    # Tokens that end the output (eos unless ignore_eos, stop_token_ids): min_tokens
+    # holds them back, the grammar never consumes them.
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt(self) -> int:
@@ -200,6 +233,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "adaserve",
         latency: ForwardLatency | None = None,
+        ngram: Drafter | None = None,
     ) -> None:
         if settings.slo.baseline_tpot_ms == "auto":
             raise ValueError(
@@ -209,6 +243,13 @@ class Engine:
         self.target = target
         self.settings = settings
         self.tokenizer = tokenizer
+        # Structured output needs the tokenizer (the grammar is over text); its
+        # llguidance tokenizer is built on the first request that uses it.
+        self.grammar = (
+            GrammarBackend(tokenizer, target.vocab_size, target.eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
         self.clock = clock
         self.model_name = model_name
         self.local_scheduler = LocalScheduler(settings.scheduler)
@@ -218,6 +259,15 @@ class Engine:
             self.drafter = FallbackDrafter(
                 drafter, self._history, target.vocab_size, clock=lambda: self.clock()
             )
+        self.ngram: FallbackDrafter | None = None
+        if ngram is not None and settings.engine.speculation:
+            self.ngram = FallbackDrafter(
+                ngram, self._history, target.vocab_size, clock=lambda: self.clock()
+            )
+        self.methods = available_methods(self.drafter is not None, self.ngram is not None)
+        self.method_stats = {source: SourceStats() for source in SOURCES}
+        # Per level, where it proposes: whether verifying its trees pays under load.
+        self.ngram_acceptance = AcceptanceEstimate(settings.speculation.ngram.acceptance)
         adaptive = settings.scheduler.adaptive
         self.acceptance = (
             AcceptanceEstimate(adaptive.acceptance) if adaptive.learn_acceptance else None
@@ -226,6 +276,9 @@ class Engine:
         # request is never admitted that could not run alone.
         adaptive = settings.scheduler.adaptive
         scratch = 1 + adaptive.d_max * adaptive.w_max if self.drafter is not None else 1
+        ng = settings.speculation.ngram
+        if self.ngram is not None:  # a merged tree holds both drafters' nodes
+            scratch += ng.depth * ng.width
         self.kv_tokens = target.num_blocks * target.block_size
         self.max_model_len = min(
             target.max_model_len,
@@ -243,6 +296,7 @@ class Engine:
             )
         self.latency = latency
         self._draft_ms = 0.0  # EWMA of a drafting iteration's speculate phase
+        self._model_draft_ms = 0.0  # EWMA of the model drafter's call where it drafted
         # EWMA of the drafter's time per prompt token it ingests beside the target's
         # prefill: part of what a prefill token costs the iteration.
         self._ingest_ms = 0.0
@@ -407,8 +461,9 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.target.eos_token_ids),
             baseline_tpot_ms=self.baseline_tpot_ms,
-            speculative=self.drafter is not None,
+            speculative=self.drafter is not None or self.ngram is not None,
             slo_floor_ms=self.slo_floor().tpot_ms,
+            speculation_methods=self.methods,
         )
 
     def start(self, executor: Executor | None = None) -> None:
@@ -467,6 +522,7 @@ class Engine:
         trees = self._speculate(step)
         t1 = self.clock()
         selected = self._select(step, trees)
+        selected, masks = self._constrain(step.decoding, selected)
         step, selected = self._fit_kv(step, selected)
         t2 = self.clock()
         items = [
@@ -476,21 +532,23 @@ class Engine:
                 r.req.sampling,
                 r.generator,
                 r.req.sampling.max_tokens - r.num_generated,
+                self._logits_context(r, masks.get(r.req.id)),
             )
             for r, tree in zip(step.decoding, selected, strict=True)
         ]
         result = self.target.forward(items, [c for _, c in step.chunks])
         t3 = self.clock()
         for r, tree, res in zip(step.decoding, selected, result.verified, strict=True):
-            self._record_spec(tree, res.accepted_nodes, len(res.emitted_tokens))
-            self._apply(r, res.emitted_tokens.tolist(), t3)
+            self._record_spec(r.source, tree, res.accepted_nodes, len(res.emitted_tokens))
+            self._apply(r, res.emitted_tokens.tolist(), t3, res.logprobs)
         if step.decoding:
             emitted = sum(len(res.emitted_tokens) for res in result.verified)
             self._observe_tpot(len(step.decoding), emitted, (t3 - start) * 1000.0)
-        for (r, chunk), first in zip(step.chunks, result.first_tokens, strict=True):
+        first_lp = result.first_logprobs or [None] * len(step.chunks)
+        for (r, chunk), first, lp in zip(step.chunks, result.first_tokens, first_lp, strict=True):
             r.prefilled += len(chunk.tokens)
             if first is not None:
-                self._apply(r, [first], t3)
+                self._apply(r, [first], t3, lp)
         self._observe_iteration(step, selected, t0, t1, t2, t3)
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
@@ -510,13 +568,18 @@ class Engine:
         drafted, depth, width = self._plan(decoding, len(prefilling))
         adaptive = self._adaptive()
         eng = self.settings.engine
+        # The trees' size for the token split: the model's plan, else n-gram chains
+        # where a request may get one (they cost no draft step, only verify tokens).
+        tree_depth, tree_width = (depth, width) if drafted else (0, 1)
+        if not drafted and self.ngram and any(r.method in USES_NGRAM for r in decoding):
+            tree_depth = self.settings.speculation.ngram.depth
         limits = BatchLimits(
             tree_budget=self.settings.scheduler.budget,
             max_batch_tokens=eng.max_batch_tokens,
             min_prefill_tokens=eng.min_prefill_tokens,
             stretch=eng.prefill_stretch,
-            depth=depth if drafted else 0,
-            width=width,
+            depth=tree_depth,
+            width=tree_width,
             acceptance=adaptive.acceptance,
         )
         now = self.clock()
@@ -543,7 +606,7 @@ class Engine:
             now * 1000.0,
             # What a decode-only iteration of this batch has taken, drafting and
             # selection included: the work a prefill chunk may stretch.
-            self.tspec.measured_ms(self._decode_tokens(decoding, depth if drafted else 0, width)),
+            self.tspec.measured_ms(self._decode_tokens(decoding, tree_depth, tree_width)),
         )
         chunks = []
         for rid, n in batch.chunks:
@@ -552,7 +615,13 @@ class Engine:
             # The chunk that completes a prompt samples the first token; one that
             # completes a preempted request's recompute does not (its root is known).
             last = r.prefilled + n == r.prefill_target and r.num_generated == 0
-            chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator)
+            logits = None
+            if last and r.req.sampling.processes_logits:
+                first_masks = None
+                if r.constraint is not None:
+                    first_masks = r.constraint.tree_masks(CandidateTree.root_only(0))[1]
+                logits = self._logits_context(r, first_masks)
+            chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator, logits)
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
 
@@ -571,7 +640,9 @@ class Engine:
         """(requests to draft for, depth, width). d and w are a pure function of n and
         the settings this process already holds: planning locally saves one of the three
         round trips of a gRPC iteration (the scheduler service keeps `Plan` for others)."""
-        if self.drafter is None or not batch:
+        # Only requests whose method may use the model draft with it; the others still
+        # count in the load the plan is for.
+        if self.drafter is None or not any(r.method in USES_MODEL for r in batch):
             return [], 0, 1
         budget, adaptive = self.settings.scheduler.budget, self._adaptive()
         # Plan for the batch the next iterations run: requests being prefilled and
@@ -582,7 +653,7 @@ class Engine:
         n = min(len(batch) + prefilling + arriving, self.settings.engine.max_running)
         depth, width = plan_depth_width(n, budget, adaptive)
         if depth > 0:
-            return batch, depth, width
+            return [r for r in batch if r.method in USES_MODEL], depth, width
         # Drafting for the whole batch does not pay, but SLO comes before throughput.
         # Requests that plain decoding would leave behind their SLO still get trees, and
         # so do the tightest-SLO requests where the others' slack pays for the longer
@@ -595,7 +666,11 @@ class Engine:
             budget,
             adaptive,
         )
-        drafted = [r for r, b, t in zip(batch, behind, tight, strict=True) if b or t]
+        drafted = [
+            r
+            for r, b, t in zip(batch, behind, tight, strict=True)
+            if (b or t) and r.method in USES_MODEL
+        ]
         if not drafted:
             return [], 0, width
         depth, width = plan_depth_width(len(drafted), budget, adaptive)
@@ -633,33 +708,117 @@ class Engine:
         ]
 
     def _speculate(self, step: _Step) -> list[CandidateTree]:
-        """Trees for the decoding requests: beam-searched for the drafted ones,
-        root-only for the rest (the drafter catches up on their tokens the next time it
-        sees them). The same call hands the drafter this iteration's prefill chunks."""
+        """Trees for the decoding requests, each from the source its speculation method
+        picks this iteration (adaserve/methods.py); root-only for the rest (a drafter
+        catches up on their tokens the next time it sees them). The n-gram drafter goes
+        first: it costs no forward, and `auto` reads its trees to decide which requests
+        the model drafts for. The same calls hand each drafter this iteration's prefill
+        chunks of the requests whose method may use it."""
         roots = [CandidateTree.root_only(r.tokens[-1]) for r in step.decoding]
-        if self.drafter is None:
+        for r in step.decoding:
+            r.source = "none"
+        if self.drafter is None and self.ngram is None:
             return roots
-        drafting = step.drafted if step.depth > 0 else []
+        ng = self.settings.speculation.ngram
+        ngram = self._draft(
+            self.ngram,
+            "ngram_len",
+            [r for r in step.decoding if r.method in USES_NGRAM],
+            [(r, c) for r, c in step.chunks if r.method in USES_NGRAM],
+            ng.depth,
+            ng.width,
+            0.0,  # selection prunes its unlikely nodes; drafting them costs nothing
+        )
+        calibration = self.method_stats["ngram"].calibration
+        ngram = {rid: scale_f(t, calibration) for rid, t in ngram.items()}
+        planned = {r.req.id for r in step.drafted} if step.depth > 0 else set()
+        alpha = self._adaptive().acceptance
+        model_tokens = chain_tokens(alpha, step.depth)
+        share = self._model_draft_ms / max(self.tspec.predict_ms(len(step.decoding)), 1e-6)
+        pays = self._ngram_pays(len(step.decoding))
+        for r in step.decoding:
+            r.source = choose_source(
+                r.method,
+                r.req.id in planned,
+                expected_tokens(ngram.get(r.req.id)),
+                model_tokens,
+                share,
+                self.drafter is not None,
+                self.ngram is not None,
+                pays,
+            )
+        drafted = [r for r in step.decoding if r.source in ("model", "model+ngram")]
+        t0 = self.clock() if drafted else 0.0
+        model = self._draft(
+            self.drafter,
+            "drafter_len",
+            drafted,
+            [(r, c) for r, c in step.chunks if r.method in USES_MODEL],
+            step.depth,
+            step.width,
+            self.settings.scheduler.adaptive.draft_stop_prob or 0.0,
+        )
+        if drafted and model:  # what auto weighs against an n-gram tree alone
+            ms = (self.clock() - t0) * 1000.0
+            self._model_draft_ms += 0.3 * (ms - self._model_draft_ms)
+        trees = []
+        for r, root in zip(step.decoding, roots, strict=True):
+            rid = r.req.id
+            if r.source == "model+ngram":
+                trees.append(merge_trees(model.get(rid, root), ngram.get(rid, root)))
+            elif r.source in ("model", "ngram"):
+                trees.append((model if r.source == "model" else ngram).get(rid, root))
+            else:
+                trees.append(root)
+        return trees
+
+    def _ngram_pays(self, n: int) -> bool:
+        """Whether verifying n-gram trees pays for a batch of n: the cost cap's model
+        (adaptive.cost_depth) with the n-gram drafter's learned acceptance and no draft
+        cost finds a depth above 0 (at 16 budget tokens: acceptance above n / (16 + n))."""
+        a = self.settings.scheduler.adaptive.model_copy(
+            update={
+                "acceptance": self.ngram_acceptance.alpha,
+                "draft_cost_tokens": 1e-6,
+                "draft_cost_tokens_per_request": 0.0,
+                "d_min": 0,
+            }
+        )
+        return cost_depth(n, self.settings.scheduler.budget, a) > 0
+
+    def _draft(
+        self,
+        drafter: FallbackDrafter | None,
+        synced: Literal["drafter_len", "ngram_len"],
+        requests: list[_Request],
+        chunks: list[tuple[_Request, PrefillChunk]],
+        depth: int,
+        width: int,
+        stop_prob: float,
+    ) -> dict[str, CandidateTree]:
+        """One drafter's trees for `requests` (by id; none where it failed), sending
+        each the tokens it does not hold yet (`synced` names the request's count of
+        them) and ingesting the prompt `chunks`."""
+        if drafter is None:
+            return {}
         updates = [
-            DraftUpdate(r.req.id, np.asarray(r.tokens[r.drafter_len :], np.int32), len(r.tokens))
-            for r in drafting
+            DraftUpdate(
+                r.req.id, np.asarray(r.tokens[getattr(r, synced) :], np.int32), len(r.tokens)
+            )
+            for r in requests
         ]
-        for r, c in step.chunks:
+        for r, c in chunks:
             end = c.start + len(c.tokens)
-            new = np.asarray(r.tokens[r.drafter_len : end], np.int32)
+            new = np.asarray(r.tokens[getattr(r, synced) : end], np.int32)
             updates.append(DraftUpdate(r.req.id, new, end, ingest=True))
         if not updates:
-            return roots
-        stop = self.settings.scheduler.adaptive.draft_stop_prob or 0.0
-        trees = self.drafter.speculate(updates, step.depth, step.width, stop)
-        if not self.drafter.ok:
-            return roots
+            return {}
+        trees = drafter.speculate(updates, depth, width, stop_prob)
+        if not drafter.ok:
+            return {}
         for u in updates:
-            self._running[u.id].drafter_len = u.total_len
-        if len(drafting) == len(step.decoding):
-            return trees[: len(drafting)]
-        by_id = {r.req.id: t for r, t in zip(drafting, trees, strict=False)}
-        return [by_id.get(r.req.id, root) for r, root in zip(step.decoding, roots, strict=True)]
+            setattr(self._running[u.id], synced, u.total_len)
+        return {u.id: t for u, t in zip(updates, trees, strict=True) if not u.ingest}
 
     def _select(self, step: _Step, trees: list[CandidateTree]) -> list[CandidateTree]:
         if all(len(t) == 1 for t in trees):
@@ -673,12 +832,34 @@ class Engine:
         if prefill:
             extra = self._iteration_ms(budget, prefill) - self._iteration_ms(budget, 0)
         t_spec_ms = self.tspec.measured_ms(budget) + extra
-        params = selection_params(self.settings.scheduler, step.depth, t_spec_ms, n, budget)
+        # A_cap = min(A, d + 1) with d the deepest tree (n-gram trees outgrow the plan).
+        depth = max(step.depth, max(int(t.depths().max()) for t in trees))
+        params = selection_params(self.settings.scheduler, depth, t_spec_ms, n, budget)
         progress = self._progress(step.decoding)
         selection = self.scheduler.select(progress, trees, params)
         if selection.invalid:
             selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
+
+    def _constrain(
+        self, decoding: list[_Request], trees: list[CandidateTree]
+    ) -> tuple[list[CandidateTree], dict[str, np.ndarray]]:
+        """Structured output: each constrained tree without the branches its grammar
+        rejects (they could never be accepted), and the grammar's mask at every node
+        that is left, by request id."""
+        masks: dict[str, np.ndarray] = {}
+        out = list(trees)
+        for i, r in enumerate(decoding):
+            if r.constraint is not None:
+                out[i], masks[r.req.id] = r.constraint.tree_masks(trees[i])
+        return out, masks
+
+    def _logits_context(self, r: _Request, masks: np.ndarray | None) -> LogitsContext | None:
+        """What the target needs to process this request's rows; None: nothing to do."""
+        if not r.req.sampling.processes_logits or r.prompt_ids is None:
+            return None
+        output = np.asarray(r.tokens[r.num_prompt :], dtype=np.int32)
+        return LogitsContext(r.req.sampling, r.prompt_ids, output, r.stop_ids, masks)
 
     def _optimal_invalid(
         self, progress: list[RequestProgress], trees: list[CandidateTree], params: SelectionParams
@@ -736,9 +917,7 @@ class Engine:
         again; it keeps its tokens and its stream, and later recomputes the KV of all but
         its last token in chunks, that token rooting its next tree as before."""
         self.target.free(r.req.id)
-        if self.drafter is not None and r.drafter_len:
-            self.drafter.release([r.req.id])
-        r.drafter_len = 0
+        self._release_drafts(r)
         r.prefilled = 0
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
         self.preemptions += 1
@@ -747,7 +926,9 @@ class Engine:
         metrics.preemptions_total.inc()
         log.debug("preempted %s (%d tokens) for KV", r.req.id, len(r.tokens))
 
-    def _apply(self, r: _Request, emitted: list[int], now: float) -> None:
+    def _apply(
+        self, r: _Request, emitted: list[int], now: float, logprobs: TokenLogprobs | None = None
+    ) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
         if r.finished:
             return
@@ -766,6 +947,9 @@ class Engine:
                 finish = "length"
                 break
         r.tokens.extend(kept)
+        if r.constraint is not None and not r.constraint.advance(kept):
+            self._finish(r, "error", error="structured output: the grammar refused a token")
+            return
         first = r.first_token_t is None and bool(kept)
         if first:
             r.first_token_t = now
@@ -792,6 +976,7 @@ class Engine:
                 num_generated=r.num_generated,
                 ttft_ms=(now - r.arrival) * 1000.0 if first else None,
                 best_effort=r.best_effort,
+                logprobs=None if logprobs is None else logprobs.head(len(kept)),
             )
         )
         if finish is not None:
@@ -820,8 +1005,27 @@ class Engine:
         vocab = self.target.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in sp.token_ids()):
+            raise ValueError(
+                f"logit_bias, allowed_token_ids and bad_words: token ids must be in [0, {vocab})"
+            )
+        if sp.structured is not None:
+            if self.grammar is None:
+                raise ValueError(f"{sp.structured.field}: this unit has no tokenizer")
+            if sp.ignore_eos:
+                raise ValueError(f"{sp.structured.field}: cannot be combined with ignore_eos")
         if sp.temperature < 0 or not (0 < sp.top_p <= 1) or sp.top_k < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+        check_available(self._method(req), self.methods)
+
+    def _method(self, req: GenerationRequest) -> str:
+        """The request's speculation method: its own, its SLO class's, the default."""
+        cls = self.settings.slo.classes.get(req.slo_class or "")
+        return resolve_method(
+            req.speculation,
+            cls.speculation if cls is not None else None,
+            self.settings.speculation.default_method,
+        )
 
     def _drain_inbox(self) -> None:
         while True:
@@ -831,7 +1035,13 @@ class Engine:
                 return
             if item[0] == "submit":
                 req, stream, arrival = item[1]
-                self._waiting.append(self._new_request(req, stream, arrival))
+                r = self._new_request(req, stream, arrival)
+                self._waiting.append(r)
+                if req.sampling.structured is not None and self.grammar is not None:
+                    try:  # compiled at submit by the service already: cached, cheap
+                        r.constraint = self.grammar.constraint(req.sampling.structured, r.stop_ids)
+                    except (ValueError, RuntimeError) as exc:
+                        self._finish(r, "error", error=str(exc))
             else:
                 self._abort(item[1])
 
@@ -842,16 +1052,22 @@ class Engine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, stop=tuple(req.sampling.stop))
         ttft = req.ttft_slo_ms if req.ttft_slo_ms is not None else UNSET_TTFT_ORDER_MS
+        sp = req.sampling
         r = _Request(
             req=req,
             stream=stream,
             arrival=arrival,
             tokens=list(req.prompt_token_ids),
             detok=detok,
-            generator=self.target.make_generator(req.sampling.seed),
+            generator=self.target.make_generator(sp.seed),
             ttft_deadline=arrival + ttft / 1000.0,
             prefill_target=len(req.prompt_token_ids),
+            method=self._method(req),
+            stop_ids=tuple(sp.stop_token_ids)
+            + (() if sp.ignore_eos else tuple(self.target.eos_token_ids)),
         )
+        if sp.processes_logits:
+            r.prompt_ids = np.asarray(req.prompt_token_ids, dtype=np.int32)
         r.best_effort = self._judge_best_effort(r)
         return r
 
@@ -868,10 +1084,19 @@ class Engine:
         # keeps its arrival, so it goes back in front of later ones).
         self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
         watermark = math.ceil(self.settings.engine.kv_watermark * self.target.num_blocks)
-        while self._waiting and len(self._running) < self.settings.engine.max_running:
+        # n > 1: a sibling waits until the prompt it shares is prefilled, then takes
+        # that KV from the prefix cache instead of computing it again.
+        unprefilled = {r.req.id for r in self._waiting}
+        unprefilled |= {r.req.id for r in self._running.values() if r.prefilling}
+        i = 0
+        while i < len(self._waiting) and len(self._running) < self.settings.engine.max_running:
             if self.target.free_blocks() <= watermark:
                 break
-            r = self._waiting.pop(0)
+            r = self._waiting[i]
+            if r.req.fork_of is not None and r.req.fork_of in unprefilled:
+                i += 1
+                continue
+            self._waiting.pop(i)
             tokens = r.tokens[: r.prefill_target]
             r.prefilled = self.target.add_sequence(r.req.id, tokens)
             metrics.prefix_cache_queries.inc(len(tokens))
@@ -962,15 +1187,22 @@ class Engine:
             self._waiting.remove(r)
         if self._running.pop(r.req.id, None) is not None:
             self.target.free(r.req.id)
-            if self.drafter is not None and r.drafter_len:
-                self.drafter.release([r.req.id])
+            self._release_drafts(r)
         self._record_finish(r, reason)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
 
+    def _release_drafts(self, r: _Request) -> None:
+        if self.drafter is not None and r.drafter_len:
+            self.drafter.release([r.req.id])
+        if self.ngram is not None and r.ngram_len:
+            self.ngram.release([r.req.id])
+        r.drafter_len = r.ngram_len = 0
+
     def _flush_releases(self) -> None:
-        if self.drafter is not None:
-            self.drafter.flush()
+        for drafter in (self.drafter, self.ngram):
+            if drafter is not None:
+                drafter.flush()
 
     def _history(self, request_id: str) -> list[int]:
         """A running request's committed tokens (the drafter re-sync reads them)."""
@@ -978,23 +1210,45 @@ class Engine:
 
     # ---- observability -------------------------------------------------------------
 
-    def _record_spec(self, tree: CandidateTree, accepted_nodes, emitted: int) -> None:
+    def _record_spec(self, source: str, tree: CandidateTree, accepted_nodes, emitted: int) -> None:
         drafted = len(tree) - 1
+        accepted = len(accepted_nodes) - 1
+        self._record_method(source, tree, drafted, accepted, emitted)
         if drafted == 0:
             return
-        accepted = len(accepted_nodes) - 1
         metrics.spec_num_drafts.inc()
         metrics.spec_emitted_tokens.inc(emitted)
         metrics.spec_num_draft_tokens.inc(drafted)
         metrics.spec_num_accepted_tokens.inc(accepted)
         for pos in range(accepted):
             metrics.spec_accepted_per_pos.labels(str(pos)).inc()
-        if self.acceptance is not None:
+        if source == "ngram":
+            rejected = bool((tree.parents == accepted_nodes[-1]).any())
+            self.ngram_acceptance.observe(accepted, rejected)
+        if self.acceptance is not None and source in ("model", "model+ngram"):
+            # The plan's acceptance is the model's: the n-gram drafter's trees, free to
+            # draft, say nothing about whether its draft steps pay.
             # The run of accepted levels ended in a rejection if the last accepted node
             # had children to choose from; at a leaf the tree just ended (censored).
             rejected = bool((tree.parents == accepted_nodes[-1]).any())
             self.acceptance.observe(accepted, rejected)
             metrics.spec_acceptance_estimate.set(self.acceptance.alpha)
+
+    def _record_method(
+        self, source: str, tree: CandidateTree, drafted: int, accepted: int, emitted: int
+    ) -> None:
+        """Per-method counts (metrics) and the learned estimates `auto` reads. The
+        n-gram calibration compares accepted tokens with the f it predicted before its
+        calibration was applied (scale_f multiplied f by it)."""
+        predicted = float(tree.path_probs().sum()) - 1.0 if drafted else 0.0
+        if source == "ngram":
+            predicted /= self.method_stats["ngram"].calibration
+        self.method_stats[source].observe(emitted, drafted, accepted, predicted)
+        metrics.spec_method_steps.labels(source).inc()
+        metrics.spec_method_emitted_tokens.labels(source).inc(emitted)
+        if drafted:
+            metrics.spec_method_draft_tokens.labels(source).inc(drafted)
+            metrics.spec_method_accepted_tokens.labels(source).inc(accepted)
 
     def _observe_iteration(
         self, step: _Step, selected: list[CandidateTree], t0: float, t1: float, t2: float, t3: float
@@ -1025,6 +1279,11 @@ class Engine:
         metrics.budget_used.observe(tokens)
         if self.acceptance is not None:
             self.acceptance.tick()
+        self.ngram_acceptance.tick()
+        for source, est in self.method_stats.items():
+            est.tick()
+            metrics.spec_method_tokens_per_step.labels(source).set(est.tokens_per_step)
+            metrics.spec_method_acceptance.labels(source).set(est.acceptance)
         metrics.batch_size.observe(len(step.decoding))
         metrics.kv_usage.set(self.target.kv_usage())
 

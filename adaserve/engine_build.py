@@ -16,6 +16,7 @@ from pathlib import Path
 from adaserve import metrics
 from adaserve.config import SchedulerSettings, Settings
 from adaserve.engine import Engine
+from adaserve.ngram import NgramDrafter, NgramParams
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.speculate import BeamDrafter, Drafter
 from adaserve.target import RunnerTarget
@@ -80,6 +81,23 @@ def build_engine(
         settings=settings,
         tokenizer=tokenizer,
         model_name=served_name(settings, target_dir),
+        ngram=build_ngram(settings) if speculate else None,
+    )
+
+
+def build_ngram(settings: Settings) -> NgramDrafter | None:
+    """The n-gram drafter (in the verifier's process, always), unless switched off."""
+    ng = settings.speculation.ngram
+    if not ng.enabled:
+        return None
+    return NgramDrafter(
+        NgramParams(
+            min_n=ng.min_n,
+            max_n=ng.max_n,
+            max_matches=ng.max_matches,
+            prior_count=ng.prior_count,
+            length_power=ng.length_power,
+        )
     )
 
 

@@ -114,6 +114,40 @@ spec_emitted_tokens = Counter(
     "adaserve_spec_decode_num_emitted_tokens_total", "Tokens emitted (accepted + bonus)"
 )
 
+# Per speculation method: the source that drafted each verified tree (methods.SOURCES;
+# "none": plain decoding, "model+ngram": merged trees). Tokens per step of a method =
+# its emitted tokens / its steps; its acceptance = accepted / draft tokens.
+spec_method_steps = Counter(
+    "adaserve_spec_decode_method_steps_total",
+    "Verifications (one request, one iteration) by the method that drafted the tree",
+    ["method"],
+)
+spec_method_emitted_tokens = Counter(
+    "adaserve_spec_decode_method_emitted_tokens_total",
+    "Tokens emitted (accepted + bonus) by the method that drafted the tree",
+    ["method"],
+)
+spec_method_draft_tokens = Counter(
+    "adaserve_spec_decode_method_draft_tokens_total",
+    "Drafted tokens verified by the method that drafted them",
+    ["method"],
+)
+spec_method_accepted_tokens = Counter(
+    "adaserve_spec_decode_method_accepted_tokens_total",
+    "Drafted tokens accepted by the method that drafted them",
+    ["method"],
+)
+spec_method_tokens_per_step = Gauge(
+    "adaserve_spec_decode_method_tokens_per_step",
+    "Recent tokens emitted per verification by method (decayed over ~100 iterations)",
+    ["method"],
+)
+spec_method_acceptance = Gauge(
+    "adaserve_spec_decode_method_acceptance",
+    "Recent fraction of verified draft tokens accepted by method (decayed)",
+    ["method"],
+)
+
 # Per SLO class, from the engine's own clock (the gateway keeps its client-side view).
 ttft_seconds = Histogram(
     "adaserve_engine_ttft_seconds",

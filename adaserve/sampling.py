@@ -35,6 +35,17 @@ def request_key(seed: int | None) -> int:
     return secrets.randbits(64) if seed is None else seed & _MASK64
 
 
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sequence `index` of an n > 1 request: the request's own for 0, so
+    choice 0 is what n = 1 gives; for the others a SplitMix64 mix of (seed, index),
+    63 bits so it stays a valid int64 on every wire. Unseeded stays unseeded."""
+    if seed is None or index == 0:
+        return seed
+    z = np.asarray([(seed + index * 0x9E3779B97F4A7C15) & _MASK64], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return int(_mix64(z)[0] >> np.uint64(1))
+
+
 def _mix64(z: np.ndarray) -> np.ndarray:
     # SplitMix64 finalizer: a bijection on uint64 with full avalanche.
     z = (z ^ (z >> np.uint64(30))) * _M1
@@ -68,14 +79,33 @@ def row_params(
     return tuple(t.repeat_interleave(reps).to(device) for t in (temp, top_k, top_p))  # type: ignore[return-value]
 
 
+def row_min_p(
+    params: Sequence[SamplingParams], rows_per_request: Sequence[int] | np.ndarray, device
+) -> torch.Tensor | None:
+    """Per-row min_p (float32), or None when no request uses it."""
+    if not any(p.min_p for p in params):
+        return None
+    reps = torch.as_tensor(list(rows_per_request), dtype=torch.int64)
+    return (
+        torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        .repeat_interleave(reps)
+        .to(device)
+    )
+
+
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 [N, V]: softmax(logits / T) restricted to the top-k, then to the smallest
-    prefix (by descending probability) whose mass reaches top-p, renormalized.
+    """float32 [N, V]: softmax(logits / T) without the tokens below min_p times the top
+    probability (vLLM's order: min_p first), restricted to the top-k, then to the
+    smallest prefix (by descending probability) whose mass reaches top-p, renormalized.
 
     logits [N, V]; temperature [N] (0 -> one-hot argmax); top_k [N] (0 -> off);
-    top_p [N] in (0, 1]. Inputs are not modified.
+    top_p [N] in (0, 1]; min_p [N] in [0, 1] or None (off). Inputs are not modified.
     """
     if logits.dim() != 2:
         raise ValueError(f"filtered_probs: logits must be [N, V], got {tuple(logits.shape)}")
@@ -84,6 +114,10 @@ def filtered_probs(
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / safe_t[:, None]
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  scaled_i < scaled_max + log(min_p): no softmax needed.
+        top = scaled.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(scaled < top + torch.log(min_p)[:, None], float("-inf"))
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
     if bool(k_on.any()) or bool(p_on.any()):
@@ -125,7 +159,8 @@ def sample(
     """int64 [N]: one token per row; row i uses params[i], key keys[i] at output
     position positions[i]. Greedy rows return the argmax."""
     temp, top_k, top_p = row_params(params, [1] * len(params), logits.device)
-    probs = filtered_probs(logits, temp, top_k, top_p)
+    min_p = row_min_p(params, [1] * len(params), logits.device)
+    probs = filtered_probs(logits, temp, top_k, top_p, min_p)
     return sample_from_probs(probs, uniforms(keys, positions))
 
 

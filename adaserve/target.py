@@ -9,12 +9,14 @@ the simulator substitutes a modelled target with the same interface.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
+import torch
 
-from adaserve.request import SamplingParams
+from adaserve.logits_process import LogitsContext, process_rows_, token_logprobs
+from adaserve.request import SamplingParams, TokenLogprobs
 from adaserve.sampling import TokenRng
 from adaserve.tree import CandidateTree
 from adaserve.verify import VerifyResult, verify_batch, verify_tree
@@ -27,6 +29,9 @@ class VerifyItem:
     sampling: SamplingParams
     generator: TokenRng | None  # the request's random stream (sampling only)
     max_new: int  # tokens the request may still emit
+    # Penalties, bias, grammar masks...: every row processed from its own history
+    # (adaserve/logits_process.py); None: the raw logits are the distribution.
+    logits: LogitsContext | None = None
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,15 @@ class PrefillChunk:
     last: bool  # the chunk ends the prompt: its last row gives the first output token
     sampling: SamplingParams
     generator: TokenRng | None
+    logits: LogitsContext | None = None  # processing of the first token's row (last chunk)
 
 
 @dataclass(frozen=True)
 class ForwardResult:
     verified: list[VerifyResult]  # one per tree, in order
     first_tokens: list[int | None]  # one per chunk: the first output token of a last chunk
+    # one per chunk, where its request asked for logprobs and it gave a first token
+    first_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TargetModel(Protocol):
@@ -84,6 +92,26 @@ class TargetModel(Protocol):
     def make_generator(self, seed: int | None) -> TokenRng | None: ...
 
 
+def _process(logits: torch.Tensor, trees: Sequence[VerifyItem]) -> dict[int, torch.Tensor]:
+    """Applies each request's processors to its own rows of `logits`, in place, and
+    returns (by tree index) the raw rows of the requests that also want logprobs, copied
+    before: logprobs are the model's own distribution."""
+    raw: dict[int, torch.Tensor] = {}
+    offset = 0
+    # The runner's logits are inference tensors: they may be updated in place only in
+    # inference mode.
+    with torch.inference_mode():
+        for i, it in enumerate(trees):
+            n = len(it.tree)
+            if it.logits is not None:
+                rows = logits[offset : offset + n]
+                if it.sampling.logprobs is not None:
+                    raw[i] = rows.clone()
+                process_rows_(rows, it.tree.parents, it.tree.tokens, it.logits)
+            offset += n
+    return raw
+
+
 class RunnerTarget:
     """TargetModel over an `adaserve.model.runner.ModelRunner`."""
 
@@ -115,6 +143,7 @@ class RunnerTarget:
                 rows.append(pos - 1)
         logits = self.runner.forward(inputs, logits_indices=rows)  # KVCacheFull: nothing done
         n_tree = sum(len(it.tree) for it in trees)
+        raw = _process(logits[:n_tree], trees)
         verified = verify_batch(
             [it.tree for it in trees],
             logits[:n_tree],
@@ -123,20 +152,36 @@ class RunnerTarget:
             eos_token_ids=self.eos_token_ids,
             max_new=[it.max_new for it in trees],
         )
-        for it, res in zip(trees, verified, strict=True):
+        offset = 0
+        for i, (it, res) in enumerate(zip(trees, verified, strict=True)):
+            k = it.sampling.logprobs
+            if k is not None:  # each emitted token scored by the row that chose it
+                own = raw[i] if i in raw else logits[offset : offset + len(it.tree)]
+                chose = own[torch.as_tensor(res.accepted_nodes, dtype=torch.int64)]
+                verified[i] = replace(res, logprobs=token_logprobs(chose, res.emitted_tokens, k))
+            offset += len(it.tree)
             self.runner.commit(it.seq_id, res.accepted_nodes)
         first: list[int | None] = []
+        first_lp: list[TokenLogprobs | None] = []
         finals_iter = iter(finals)
+        root = CandidateTree.root_only(0)  # token unused: only its logits matter
         for c in chunks:
             self.runner.commit(c.seq_id, range(len(c.tokens)))
             if not c.last:
                 first.append(None)
+                first_lp.append(None)
                 continue
-            row = logits[next(finals_iter)][None]
-            root = CandidateTree.root_only(0)  # token unused: only its logits matter
+            final = next(finals_iter)
+            row = logits[final : final + 1]
+            k = c.sampling.logprobs
+            raw_row = row.clone() if k is not None and c.logits is not None else row
+            if c.logits is not None:
+                with torch.inference_mode():
+                    process_rows_(row, root.parents, root.tokens, c.logits)
             res = verify_tree(root, row, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
             first.append(int(res.emitted_tokens[0]))
-        return ForwardResult(verified, first)
+            first_lp.append(None if k is None else token_logprobs(raw_row, res.emitted_tokens, k))
+        return ForwardResult(verified, first, first_lp)
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)

@@ -118,6 +118,47 @@ class CandidateTree:
         return m
 
 
+def merge_trees(a: CandidateTree, b: CandidateTree) -> CandidateTree:
+    """The union of two trees drafted for the same request (same root token).
+
+    A node is its token path from the root: paths in both trees are one node, with
+    f = max(f_a, f_b) (each drafter's estimate of the same acceptance; the larger is
+    kept, never a sum, which could exceed 1). A child's f never exceeds its parent's,
+    since max preserves f_a(child) <= f_a(parent) and f_b likewise, so its conditional
+    log q = log f(child) - log f(parent) is <= 0. Nodes come in a's order, then b's new
+    ones in b's order: every parent precedes its children (topological order)."""
+    if int(a.tokens[0]) != int(b.tokens[0]):
+        raise TreeError(
+            f"merge_trees: roots differ ({int(a.tokens[0])} vs {int(b.tokens[0])}): "
+            "trees of one request share its last committed token"
+        )
+    if len(b) == 1:
+        return a
+    if len(a) == 1:
+        return b
+    index: dict[tuple[int, int], int] = {}
+    tokens, parents, logf = [int(a.tokens[0])], [-1], [0.0]
+    for tree in (a, b):
+        f = tree.path_logprobs()
+        local = np.zeros(len(tree), dtype=np.int64)  # tree node -> merged node
+        for v in range(1, len(tree)):
+            key = (int(local[tree.parents[v]]), int(tree.tokens[v]))
+            m = index.get(key)
+            if m is None:
+                m = index[key] = len(tokens)
+                tokens.append(key[1])
+                parents.append(key[0])
+                logf.append(float(f[v]))
+            else:
+                logf[m] = max(logf[m], float(f[v]))
+            local[v] = m
+    lf = np.asarray(logf)
+    par = np.asarray(parents)
+    logq = np.zeros(lf.shape[0])
+    logq[1:] = np.minimum(lf[1:] - lf[par[1:]], 0.0)
+    return CandidateTree.build(tokens, parents, logq, validate=False)
+
+
 _TOKENS = operator.attrgetter("tokens")
 _PARENTS = operator.attrgetter("parents")
 _LOGPROBS = operator.attrgetter("logprobs")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from adaserve import sampling
-from adaserve.request import SamplingParams
+from adaserve.request import SamplingParams, TokenLogprobs
 from adaserve.sampling import TokenRng
 from adaserve.tree import CandidateTree
 
@@ -48,6 +48,7 @@ class VerifyResult:
     accepted_nodes: np.ndarray  # int32 [m]: 0, then accepted drafted nodes in path order
     emitted_tokens: np.ndarray  # int32 [m]: accepted drafted tokens, then the bonus token
     finish_reason: str | None = None  # None | "stop" (stop token emitted) | "length"
+    logprobs: TokenLogprobs | None = None  # of emitted_tokens, when the request asked
 
     @property
     def num_accepted_drafts(self) -> int:
@@ -132,7 +133,8 @@ def verify_tree(
     else:
         stream = _stream(rng)
         temp, top_k, top_p = sampling.row_params([sp], [len(tree)], logits.device)
-        probs = sampling.filtered_probs(logits, temp, top_k, top_p)
+        min_p = sampling.row_min_p([sp], [len(tree)], logits.device)
+        probs = sampling.filtered_probs(logits, temp, top_k, top_p, min_p)
         choice = sampling.sample_from_probs(probs, stream.at(tree.depths())).cpu().numpy()
     res = _finish(_walk_path(tree, choice), tree.tokens, choice, sp, eos_token_ids, max_new)
     if stream is not None:
@@ -178,10 +180,10 @@ def verify_batch(
     if sampled:
         rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in sampled])
         rows_t = torch.as_tensor(rows, device=logits.device)
-        temp, top_k, top_p = sampling.row_params(
-            [sps[i] for i in sampled], sizes[sampled], logits.device
-        )
-        probs = sampling.filtered_probs(logits.index_select(0, rows_t), temp, top_k, top_p)
+        sampled_sps = [sps[i] for i in sampled]
+        temp, top_k, top_p = sampling.row_params(sampled_sps, sizes[sampled], logits.device)
+        min_p = sampling.row_min_p(sampled_sps, sizes[sampled], logits.device)
+        probs = sampling.filtered_probs(logits.index_select(0, rows_t), temp, top_k, top_p, min_p)
         u = np.concatenate([streams[i].at(trees[i].depths()) for i in sampled])
         choice_t = choice_t.index_copy(0, rows_t, sampling.sample_from_probs(probs, u))
     choice = choice_t.cpu().numpy()

@@ -13,9 +13,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -27,13 +29,20 @@ from adaserve.config import Settings
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway import spec as specs
 from gateway.auth import ApiKeys
-from gateway.core import Gateway, Generation
-from gateway.errors import APIError, from_validation
+from gateway.core import Chunk, Gateway, Generation
+from gateway.errors import APIError, from_grpc, from_validation
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
+from gateway.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorBody,
+    TokenizeRequest,
+)
 from gateway.responses import DONE_FRAME, Formatter, sse
 from gateway.router import Router, Unit
+from gateway.spec import check_unknown
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,7 @@ def create_app(
         400: {"model": ErrorBody, "description": "invalid request"},
         401: {"model": ErrorBody, "description": "missing or wrong API key"},
         404: {"model": ErrorBody, "description": "no such model (code model_not_found)"},
+        408: {"model": ErrorBody, "description": "the request's timeout passed (code timeout)"},
         413: {"model": ErrorBody, "description": "request body too large"},
         431: {"model": ErrorBody, "description": "request headers too large"},
         429: {"model": ErrorBody, "description": "engine full; see Retry-After"},
@@ -112,12 +122,13 @@ def create_app(
     @app.post("/v1/completions", responses=errors | generated)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
-        spec = _build(
+        built = _build(
             gw,
             "completion",
             lambda: specs.from_completion(body, settings, request.headers, gw.slo_classes()),
         )
-        return await _serve(request, gw, spec, body.stream, body.include_usage)
+        shape = _Shape(body.stream, body.include_usage, body.n, body.logprobs is not None)
+        return await _serve(request, gw, built, shape)
 
     @app.post("/v1/chat/completions", responses=errors | generated)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -125,7 +136,32 @@ def create_app(
         spec = _build(
             gw, "chat", lambda: specs.from_chat(body, settings, request.headers, gw.slo_classes())
         )
-        return await _serve(request, gw, spec, body.stream, body.include_usage)
+        shape = _Shape(body.stream, body.include_usage, body.n, body.logprobs)
+        return await _serve(request, gw, [spec], shape)
+
+    @app.post("/tokenize", responses=errors)
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt or chat messages (the unit's chat template) to the
+        unit's token ids."""
+        gw: Gateway = request.app.state.gateway
+        check_unknown(body, settings)
+        resp = await _unit_call(gw, body.model, "Tokenize", specs.tokenize_pb(body))
+        return {
+            "count": len(resp.ids),
+            "max_model_len": resp.max_model_len,
+            "tokens": list(resp.ids),
+            "token_strs": list(resp.pieces) if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize", responses=errors)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids to text (special tokens kept)."""
+        gw: Gateway = request.app.state.gateway
+        check_unknown(body, settings)
+        resp = await _unit_call(
+            gw, body.model, "Detokenize", vpb.DetokenizeRequest(ids=body.tokens)
+        )
+        return {"prompt": resp.text}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -221,10 +257,20 @@ def slo_info(info: vpb.InfoResponse) -> dict[str, Any]:
         },
         "slo_floor_ms": round(info.slo_floor_ms, 3),
         "speculative": info.speculative,
+        "speculation_methods": list(info.speculation_methods),
     }
 
 
-def _build(gw: Gateway, endpoint: str, make: Any) -> specs.GenerateSpec:
+async def _unit_call(gw: Gateway, model: str | None, method: str, req: Any) -> Any:
+    """A unary call to a healthy unit serving `model` (errors as OpenAI's)."""
+    unit = gw.router.pick(model)
+    try:
+        return await getattr(unit.stub, method)(req, timeout=30.0)
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err, unit.address) from err
+
+
+def _build(gw: Gateway, endpoint: str, make: Any) -> Any:
     try:
         return make()
     except APIError as err:
@@ -232,38 +278,121 @@ def _build(gw: Gateway, endpoint: str, make: Any) -> specs.GenerateSpec:
         raise
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What the client asked the response to look like."""
+
+    stream: bool
+    include_usage: bool
+    n: int  # choices per prompt returned (best_of may generate more and keep the best)
+    logprobs: bool  # the client asked for logprobs
+
+
 async def _serve(
-    request: Request, gw: Gateway, spec: specs.GenerateSpec, stream: bool, include_usage: bool
+    request: Request, gw: Gateway, built: list[specs.GenerateSpec], shape: _Shape
 ) -> Response:
-    gen = await gw.open(spec)
-    assert gen.header is not None
-    fmt = Formatter(spec.kind, spec.response_id, gen.header.model, include_usage)
+    """One generation per prompt (completions take a list), each of spec.n sequences;
+    choice i of prompt p is response choice p * n + i."""
+    opened = await asyncio.gather(*(gw.open(spec) for spec in built), return_exceptions=True)
+    gens = [g for g in opened if isinstance(g, Generation)]
+    failed = [e for e in opened if isinstance(e, BaseException)]
+    if failed:
+        await asyncio.gather(*(g.aclose() for g in gens))
+        raise failed[0]
+    first = gens[0]
+    assert first.header is not None
+    spec = built[0]
+    fmt = Formatter(
+        spec.kind,
+        spec.response_id,
+        first.header.model,
+        shape.include_usage,
+        logprobs=shape.logprobs,
+        tokens_as_ids=spec.tokens_as_ids,
+        tools=spec.tools,
+        tool_format=first.header.tool_call_format,
+    )
+    best_effort = any(g.header is not None and g.header.best_effort for g in gens)
     headers = {
         "x-request-id": spec.client_request_id or spec.engine_id,
         # Judged at admission, so known before the first token (and the status line).
-        "x-slo-best-effort": "true" if gen.header.best_effort else "false",
+        "x-slo-best-effort": "true" if best_effort else "false",
     }
-    if stream:
+    if shape.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return _SSEResponse(gen, _events(gen, fmt), headers=headers)
+        return _SSEResponse(gens, _events(gens, fmt), headers=headers)
     try:
-        body = await _until_disconnect(request, _collect(gen, fmt))
+        body = await _until_disconnect(request, _collect(gens, fmt, shape.n))
     finally:
-        await gen.aclose()
+        await asyncio.gather(*(g.aclose() for g in gens))
     if body is None:
         return Response(status_code=499)  # nobody is listening any more
     return JSONResponse(body, headers=headers)
 
 
-async def _events(gen: Generation, fmt: Formatter) -> AsyncIterator[str]:
-    assert gen.header is not None
-    completion_tokens = 0
+def _echo(gen: Generation) -> str | None:
+    """The text to put before each of the generation's outputs (completions' echo)."""
+    if not gen.spec.echo:
+        return None
+    if gen.spec.prompt_text is not None:
+        return gen.spec.prompt_text
+    return gen.header.prompt_text if gen.header else ""
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(response choice index, chunk) from every generation as they come."""
+    if len(gens) == 1:
+        async for c in gens[0].chunks():
+            yield c.index, c
+        return
+    queue: asyncio.Queue[tuple[int, Chunk] | Exception | None] = asyncio.Queue()
+
+    async def pump(p: int, gen: Generation) -> None:
+        try:
+            async for c in gen.chunks():
+                queue.put_nowait((p * gen.spec.n + c.index, c))
+            queue.put_nowait(None)
+        except Exception as exc:  # handed to the reader, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(p, g)) for p, g in enumerate(gens)]
+    left = len(gens)
     try:
-        async for chunk in gen.chunks():
-            completion_tokens = chunk.num_generated
-            if (frame := fmt.chunk(chunk)) is not None:
-                if chunk.finish_reason is not None:
-                    frame["slo"] = gen.slo_summary()
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _slo(gens: list[Generation]) -> dict[str, object]:
+    summary = gens[0].slo_summary()
+    summary["best_effort"] = any(g.best_effort for g in gens)
+    return summary
+
+
+async def _events(gens: list[Generation], fmt: Formatter) -> AsyncIterator[str]:
+    prompt_tokens = sum(g.header.num_prompt_tokens for g in gens if g.header)
+    done: dict[int, int] = {}  # choice -> its tokens, once finished
+    total = sum(g.spec.n for g in gens)
+    for p, gen in enumerate(gens):
+        if (text := _echo(gen)) is not None:
+            for i in range(gen.spec.n):
+                yield sse(fmt.text_frame(p * gen.spec.n + i, text))
+    try:
+        async for index, chunk in _merged(gens):
+            frame = fmt.chunk(chunk, index)
+            if chunk.finish_reason is not None:
+                done[index] = chunk.num_generated
+            if frame is not None:
+                if len(done) == total and chunk.finish_reason is not None:
+                    frame["slo"] = _slo(gens)
                 yield sse(frame)
     except APIError as err:
         # Headers are gone already: the error travels as a frame (the openai client
@@ -271,19 +400,28 @@ async def _events(gen: Generation, fmt: Formatter) -> AsyncIterator[str]:
         yield sse(err.body())
         return
     if fmt.include_usage:
-        yield sse(fmt.usage_chunk(gen.header.num_prompt_tokens, completion_tokens))
+        yield sse(fmt.usage_chunk(prompt_tokens, sum(done.values())))
     yield DONE_FRAME
 
 
-async def _collect(gen: Generation, fmt: Formatter) -> dict[str, Any]:
-    assert gen.header is not None
-    parts: list[str] = []
-    completion_tokens, reason = 0, None
-    async for chunk in gen.chunks():
-        parts.append(chunk.text)
-        completion_tokens, reason = chunk.num_generated, chunk.finish_reason
-    body = fmt.full("".join(parts), reason, gen.header.num_prompt_tokens, completion_tokens)
-    body["slo"] = gen.slo_summary()
+async def _collect(gens: list[Generation], fmt: Formatter, n: int) -> dict[str, Any]:
+    for p, gen in enumerate(gens):
+        if (text := _echo(gen)) is not None:
+            for i in range(gen.spec.n):
+                fmt.prefix(p * gen.spec.n + i, text)
+    async for index, chunk in _merged(gens):
+        fmt.add(chunk, index)
+    prompt_tokens = sum(g.header.num_prompt_tokens for g in gens if g.header)
+    choices = None
+    if any(g.spec.n > n for g in gens):  # best_of: each prompt's n most likely sequences
+        choices = []
+        for p, gen in enumerate(gens):
+            ids = [p * gen.spec.n + i for i in range(gen.spec.n)]
+            ids.sort(key=lambda i: -fmt.choices[i].logprob_sum)
+            for j, i in enumerate(ids[:n]):
+                choices.append(fmt.body(i) | {"index": p * n + j})
+    body = fmt.full(prompt_tokens, choices)
+    body["slo"] = _slo(gens)
     return body
 
 
@@ -309,12 +447,12 @@ async def _until_disconnect(request: Request, coro: Any) -> Any:
 
 class _SSEResponse(StreamingResponse):
     """Streams until done or until the client disconnects, whichever comes first, and
-    always closes the generation: a vanished client cancels the verifier call at once
+    always closes the generations: a vanished client cancels the verifier calls at once
     rather than at the next write."""
 
-    def __init__(self, gen: Generation, content: AsyncIterator[str], headers: dict) -> None:
+    def __init__(self, gens: list[Generation], content: AsyncIterator[str], headers: dict) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._gen = gen
+        self._gens = gens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -329,7 +467,7 @@ class _SSEResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
-            await self._gen.aclose()
+            await asyncio.gather(*(g.aclose() for g in self._gens))
 
 
 def _openapi_without_422(app: FastAPI) -> None:

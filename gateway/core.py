@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import grpc
 
 from adaserve.config import Settings
+from adaserve.request import TokenLogprobs
 from gateway.errors import APIError, from_grpc
 from gateway.metrics import GatewayMetrics, RequestTimes
 from gateway.router import Router, Unit
 from gateway.spec import GenerateSpec
-from services.common.convert import finish_reason_from_pb
+from services.common.convert import WireError, finish_reason_from_pb, logprobs_from_pb
 
 log = logging.getLogger("adaserve.gateway.requests")
 
@@ -39,15 +40,20 @@ class Header:
     slo_floor_ms: float | None = None  # None: a unit that does not report it
     best_effort_reason: str | None = None
     ttft_slo_ms: float | None = None
+    prompt_text: str = ""  # the prompt decoded by the unit, when echo was asked
+    tool_call_format: str = "hermes"  # how the unit's model writes tool calls
 
 
 @dataclass(frozen=True)
 class Chunk:
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str | None  # "stop" | "length" | "timeout" | "abort" on the last chunk
+    finish_reason: str | None  # "stop" | "length" on its sequence's last chunk
     num_prompt_tokens: int
-    num_generated: int
+    num_generated: int  # of this chunk's sequence, so far
+    index: int = 0  # which of the request's n sequences
+    logprobs: TokenLogprobs | None = None  # of token_ids, when asked for
+    pieces: dict[int, str] | None = None  # the text of every token id in logprobs
 
 
 class Gateway:
@@ -150,13 +156,19 @@ class Generation:
             slo_floor_ms=first.slo_floor_ms or None,
             best_effort_reason=first.best_effort_reason or None,
             ttft_slo_ms=first.ttft_slo_ms or None,
+            prompt_text=first.prompt_text,
+            tool_call_format=(unit.info.tool_call_format if unit.info else "") or "hermes",
         )
         self.best_effort = first.best_effort
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        """Token chunks in order; the last has finish_reason set. Raises APIError when
-        the unit fails mid-stream (the fronts turn that into an error frame)."""
+        """Token chunks in order, each sequence's last with its finish_reason (OpenAI's
+        only: "stop" or "length"); ends once all n sequences have finished. Raises
+        APIError when the unit fails mid-stream, and when a sequence timed out or was
+        aborted: OpenAI clients know no such finish reason, so the fronts turn it into
+        an error (a status, or an error frame once streaming)."""
         assert self._call is not None and self.unit is not None
+        left = set(range(self.spec.n))
         while True:
             try:
                 msg = await self._call.read()
@@ -172,18 +184,47 @@ class Generation:
             if reason == "error":
                 self.status = 500
                 raise APIError(500, f"generation failed: {msg.error or 'engine error'}")
-            self.times.on_tokens(time.monotonic(), len(msg.token_ids))
+            if reason == "timeout":
+                self.status = 408
+                raise APIError(
+                    408,
+                    f"request timed out after {self.spec.timeout_s:g} s (timeout)",
+                    param="timeout",
+                    code="timeout",
+                )
+            if reason == "abort":
+                self.status = 503
+                raise APIError(503, "the serving unit aborted the request", code="aborted")
+            if msg.index == 0:  # one sequence's pace: the SLO is per sequence
+                self.times.on_tokens(time.monotonic(), len(msg.token_ids))
             # Judged at submit and carried by the header; chunks repeat it.
             self.best_effort |= msg.best_effort
             if self.gw.settings.log_prompts:
                 self._text.append(msg.text)
+            logprobs, pieces = None, None
+            if msg.HasField("logprobs"):
+                try:
+                    logprobs = logprobs_from_pb(msg.logprobs, len(msg.token_ids))
+                except WireError as exc:
+                    self.status = 502
+                    raise APIError(502, f"serving unit sent bad logprobs: {exc}") from exc
+                pieces = dict(msg.logprobs.pieces)
             yield Chunk(
-                tuple(msg.token_ids), msg.text, reason, msg.num_prompt_tokens, msg.num_generated
+                tuple(msg.token_ids),
+                msg.text,
+                reason,
+                msg.num_prompt_tokens,
+                msg.num_generated,
+                msg.index,
+                logprobs,
+                pieces,
             )
             if reason is not None:
+                left.discard(msg.index)
                 self.finish_reason = reason
-                self.status = 200
-                return
+                if not left:
+                    self.status = 200
+                    return
 
     def slo_summary(self) -> dict[str, object]:
         """adaserve's extra response field: the SLO the request ran under, whether it

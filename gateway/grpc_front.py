@@ -21,7 +21,7 @@ from gateway.auth import ApiKeys
 from gateway.core import Gateway
 from gateway.errors import APIError, from_validation
 from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
-from services.common.convert import finish_reason_to_pb
+from services.common.convert import finish_reason_to_pb, speculation_method_from_pb
 from services.common.server import GrpcServer, Service
 
 
@@ -76,7 +76,8 @@ class GatewayServicer(ggrpc.GatewayServicer):
         await self._authorize(context)
         try:
             parsed = model.model_validate(body)
-            spec = build(parsed, self.gw.settings, {}, self.gw.slo_classes())
+            built = build(parsed, self.gw.settings, {}, self.gw.slo_classes())
+            spec = built[0] if isinstance(built, list) else built  # one prompt here
         except ValidationError as exc:
             err = from_validation(exc.errors()[0])
             self.gw.rejected(endpoint, err)
@@ -134,12 +135,24 @@ def _options(opts: gpb.RequestOptions, context: grpc.aio.ServicerContext) -> dic
         "timeout": opts.timeout_s or None,
         "stop": list(opts.stop) or None,
         "stop_token_ids": list(opts.stop_token_ids) or None,
+        "speculation": {"method": _method_name(opts.speculation_method)}
+        if opts.speculation_method
+        else None,
     }
     body |= {k: v for k, v in scalars.items() if v is not None}
     remaining = context.time_remaining()
     if remaining is not None and remaining > 0:
         body["timeout"] = min(body.get("timeout", remaining), remaining, 86_400.0)
     return body
+
+
+def _method_name(value: int) -> str:
+    """The REST body's method name of a wire enum; an unknown value goes through as a
+    name the body's validation refuses (400 / INVALID_ARGUMENT naming the field)."""
+    try:
+        return speculation_method_from_pb(value) or "auto"
+    except ValueError:
+        return f"unknown enum value {value}"
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: APIError) -> None:

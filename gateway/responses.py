@@ -1,21 +1,29 @@
 """OpenAI response bodies and server-sent-event frames.
 
 Streams follow the OpenAI chunk format exactly: `data: {json}\\n\\n` frames, for chat
-the assistant role in the first chunk's delta together with the first text (as vLLM
-sends it: no empty opening chunk, so a client timing the first byte of the body
-measures the real time to first token), the finish reason on the last content chunk,
-then (with `stream_options.include_usage`) a chunk with empty `choices` and the usage,
-then `data: [DONE]`. With include_usage every earlier chunk has `"usage": null`, as
-OpenAI sends it.
+the assistant role in each choice's first chunk's delta together with its first text
+(as vLLM sends it: no empty opening chunk, so a client timing the first byte of the body
+measures the real time to first token), each choice's finish reason on its last content
+chunk, then (with `stream_options.include_usage`) a chunk with empty `choices` and the
+usage, then `data: [DONE]`. With include_usage every earlier chunk has `"usage": null`,
+as OpenAI sends it.
+
+Log-probabilities come in OpenAI's two shapes: chat's `logprobs.content` entries
+(token, logprob, bytes, top_logprobs) and completions' parallel lists (tokens,
+token_logprobs, top_logprobs as {token: logprob}, text_offset). Tokens whose text is
+still held back (a partial character, a possible stop string) keep their entries until
+the next frame of their choice, so every token's entry is sent exactly once.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.core import Chunk
+from gateway.tools import ToolPlan, ToolStream, parse
 
 DONE_FRAME = "data: [DONE]\n\n"
 
@@ -32,16 +40,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+@dataclass
+class _Choice:
+    """One choice as it accumulates (non-streaming) or streams."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    role_sent: bool = False
+    offset: int = 0  # completions' text_offset of the next token
+    pending: list[dict[str, Any]] = field(default_factory=list)  # chat logprob entries
+    pending_completion: dict[str, list[Any]] = field(default_factory=dict)
+    logprob_sum: float = 0.0  # cumulative logprob of the sequence (best_of ranks by it)
+    tools: ToolStream | None = None  # streamed chat with tools: content vs tool calls
+
+
 class Formatter:
     """Builds one request's response objects; `kind` is "completion" or "chat"."""
 
-    def __init__(self, kind: str, response_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        kind: str,
+        response_id: str,
+        model: str,
+        include_usage: bool,
+        *,
+        logprobs: bool = False,
+        tokens_as_ids: bool = False,
+        tools: ToolPlan | None = None,
+        tool_format: str = "hermes",
+    ) -> None:
         self.kind = kind
         self.id = response_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
-        self._role_sent = False
+        self.logprobs = logprobs  # the client asked for them (best_of asks regardless)
+        self.tokens_as_ids = tokens_as_ids
+        self.tools = tools
+        self.tool_format = tool_format
+        self.choices: dict[int, _Choice] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -55,25 +93,109 @@ class Formatter:
             out["usage"] = None
         return out
 
+    def _choice(self, index: int) -> _Choice:
+        ch = self.choices.get(index)
+        if ch is None:
+            ch = self.choices[index] = _Choice()
+            if self.tools is not None and self.kind == "chat":
+                ch.tools = ToolStream(self.tools, self.tool_format)
+        return ch
+
+    # -- logprobs ----------------------------------------------------------------------
+
+    def _token(self, token_id: int, pieces: dict[int, str]) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return pieces.get(token_id, "")
+
+    def _take_logprobs(self, ch: _Choice, c: Chunk) -> None:
+        """Adds the chunk's entries to its choice's pending ones."""
+        if c.logprobs is None or not c.token_ids:
+            return
+        lp, pieces = c.logprobs, c.pieces or {}
+        ch.logprob_sum += float(lp.logprobs.sum())
+        for i, tok in enumerate(c.token_ids):
+            token = self._token(tok, pieces)
+            top = [
+                (self._token(int(t), pieces), float(v))
+                for t, v in zip(lp.top_ids[i], lp.top_logprobs[i], strict=True)
+            ]
+            if self.kind == "chat":
+                ch.pending.append(
+                    {
+                        "token": token,
+                        "logprob": float(lp.logprobs[i]),
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
+                        ],
+                    }
+                )
+            else:
+                pc = ch.pending_completion
+                pc.setdefault("tokens", []).append(token)
+                pc.setdefault("token_logprobs", []).append(float(lp.logprobs[i]))
+                pc.setdefault("top_logprobs", []).append(dict(top))
+                pc.setdefault("text_offset", []).append(ch.offset)
+                ch.offset += len(token)
+
+    def _flush_logprobs(self, ch: _Choice) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            out: dict[str, Any] = {"content": ch.pending, "refusal": None}
+            ch.pending = []
+            return out
+        pc, ch.pending_completion = ch.pending_completion, {}
+        keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {k: pc.get(k, []) for k in keys}
+
     # -- streaming ---------------------------------------------------------------------
 
-    def chunk(self, c: Chunk) -> dict[str, Any] | None:
-        """The frame for one token chunk; None when it carries nothing to send."""
-        if not c.text and c.finish_reason is None:
-            return None  # tokens whose text is still pending (partial UTF-8, held stop)
+    def chunk(self, c: Chunk, index: int | None = None) -> dict[str, Any] | None:
+        """The frame for one token chunk (of choice `index`, default the chunk's own);
+        None when it carries nothing to send yet."""
+        index = c.index if index is None else index
+        ch = self._choice(index)
+        self._take_logprobs(ch, c)
+        text, calls = c.text, []
+        if ch.tools is not None:  # chat with tools: what may be a tool call waits
+            text = ch.tools.feed(c.text)
+            if c.finish_reason is not None:
+                rest, calls = ch.tools.finish()
+                text += rest
+        if not text and c.finish_reason is None:
+            return None  # text still pending (partial UTF-8, held stop, maybe a tool call)
+        ch.completion_tokens = c.num_generated
+        logprobs = self._flush_logprobs(ch)
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": c.text} if c.text else {}
-            if not self._role_sent:  # the first frame of the stream
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:  # the whole call at once: a valid stream, as the client accumulates
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+            if not ch.role_sent:  # the first frame of this choice
                 delta = {"role": "assistant", **delta}
-                self._role_sent = True
+                ch.role_sent = True
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
+                "logprobs": logprobs,
+                "finish_reason": "tool_calls" if calls else c.finish_reason,
             }
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+        }
+        return self._envelope("text_completion", [choice])
+
+    def text_frame(self, index: int, text: str) -> dict[str, Any]:
+        """A completions frame of text alone (echo: the prompt before the output)."""
+        ch = self._choice(index)
+        ch.offset += len(text)
+        logprobs = self._flush_logprobs(ch) if self.logprobs else None
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -84,25 +206,59 @@ class Formatter:
 
     # -- non-streaming -----------------------------------------------------------------
 
-    def full(
-        self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int
-    ) -> dict[str, Any]:
+    def add(self, c: Chunk, index: int | None = None) -> None:
+        """Accumulate a chunk into its choice, for `full`."""
+        ch = self._choice(c.index if index is None else index)
+        self._take_logprobs(ch, c)
+        ch.text.append(c.text)
+        ch.completion_tokens = c.num_generated
+        if c.finish_reason is not None:
+            ch.finish_reason = c.finish_reason
+
+    def prefix(self, index: int, text: str) -> None:
+        """Text before a choice's output (echo)."""
+        ch = self._choice(index)
+        ch.text.insert(0, text)
+        ch.offset += len(text)
+
+    def body(self, index: int) -> dict[str, Any]:
+        """One choice of the full response."""
+        ch = self.choices[index]
+        logprobs = self._flush_logprobs(ch)
+        text = "".join(ch.text)
         if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = ch.finish_reason
+            if self.tools is not None:
+                content, calls = parse(text, self.tools, self.tool_format)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls"
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": reason,
             }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            obj = "text_completion"
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": ch.finish_reason,
+        }
+
+    def full(
+        self, prompt_tokens: int, choices: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """The whole response: every choice in index order (or `choices` as given)."""
+        if choices is None:
+            choices = [self.body(i) for i in sorted(self.choices)]
+        completion = sum(ch.completion_tokens for ch in self.choices.values())
         return {
             "id": self.id,
-            "object": obj,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion),
         }

@@ -7,18 +7,29 @@ knows the verifier's wire format.
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 from adaserve import routing
 from adaserve.config import Settings
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.errors import bad_request
-from gateway.openai_schemas import REQUEST_ID_RE, ChatCompletionRequest, CompletionRequest
+from gateway.openai_schemas import (
+    REQUEST_ID_RE,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+    unknown_fields,
+)
+from gateway.tools import ToolPlan
+from gateway.tools import plan as tool_plan
+from services.common.convert import speculation_method_to_pb
 
 SLO_HEADER = "x-slo-tpot-ms"
 TTFT_HEADER = "x-slo-ttft-ms"
@@ -32,6 +43,27 @@ class Message:
     role: str
     content: str
     name: str = ""
+    tool_call_id: str = ""  # a tool message: the call it answers
+    tool_calls: tuple[tuple[str, str, str], ...] = ()  # assistant: (id, name, arguments)
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A grammar the output must match, as the verifier's wire names it."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: str | tuple[str, ...] = ""  # schema JSON text, pattern, grammar, or choices
+    field: str = "response_format"  # the request field, for the unit's error messages
+
+    def to_pb(self) -> vpb.StructuredOutput:
+        out = vpb.StructuredOutput(field=self.field)
+        if self.kind == "json_object":
+            out.json_object = True
+        elif self.kind == "choice":
+            out.choice.choices.extend(self.value)
+        else:
+            setattr(out, self.kind, self.value)
+        return out
 
 
 @dataclass(frozen=True)
@@ -42,6 +74,7 @@ class GenerateSpec:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[Message, ...] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_tokens: int = COMPLETION_DEFAULT_MAX_TOKENS  # 0: the rest of the model's context
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +89,21 @@ class GenerateSpec:
     priority: int = 0
     timeout_s: float | None = None
     client_request_id: str | None = None
+    speculation: str | None = None  # method; None: the SLO class's, else the unit's default
+    n: int = 1  # sequences the unit generates for this prompt
+    echo: bool = False  # completions: the prompt's text before the output
+    logprobs: int | None = None  # None: none; k: each token's logprob and the top k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    structured: Structured | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" strings
+    tools: ToolPlan | None = None  # chat: the tools, and what tool_choice asks
     # The verifier's request id: always fresh, so clients reusing an id never collide.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -103,9 +151,21 @@ class GenerateSpec:
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias),
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            bad_words=list(self.bad_words),
+            allowed_token_ids=list(self.allowed_token_ids),
         )
         if self.seed is not None:
             sampling.seed = self.seed
+        if self.logprobs is not None:
+            sampling.logprobs = self.logprobs
+        if self.structured is not None:
+            sampling.structured_output.CopyFrom(self.structured.to_pb())
         req = vpb.GenerateRequest(
             request_id=self.engine_id,
             sampling=sampling,
@@ -115,12 +175,22 @@ class GenerateSpec:
             priority=self.priority,
             timeout_s=self.timeout_s or 0.0,
             client_request_id=self.client_request_id or "",
+            speculation_method=speculation_method_to_pb(self.speculation),
+            n=self.n,
+            echo=self.echo,
             prefix_keys=self.prefix_keys,
         )
         if self.messages is not None:
             req.chat.add_generation_prompt = self.add_generation_prompt
+            req.chat.continue_final_message = self.continue_final_message
+            if self.tools is not None:
+                req.chat.tools_json = self.tools.tools_json
             for m in self.messages:
-                req.chat.messages.add(role=m.role, content=m.content, name=m.name)
+                msg = req.chat.messages.add(
+                    role=m.role, content=m.content, name=m.name, tool_call_id=m.tool_call_id
+                )
+                for cid, name, arguments in m.tool_calls:
+                    msg.tool_calls.add(id=cid, name=name, arguments=arguments)
         elif self.prompt_token_ids is not None:
             req.token_ids.ids.extend(self.prompt_token_ids)
         else:
@@ -164,8 +234,92 @@ def check_slo_class(name: str | None, known: set[str]) -> None:
         )
 
 
+def check_fields(body: Any, settings: Settings) -> None:
+    """No silent drops: a known feature adaserve does not offer is refused naming it,
+    and so is an unknown field under `gateway.unknown_fields: reject`."""
+    refused = body.refusal()
+    if refused is not None:
+        name, why = refused
+        raise bad_request(f"{name}: {why}", param=name, code="unsupported")
+    check_unknown(body, settings)
+
+
+def check_unknown(body: Any, settings: Settings) -> None:
+    """A field no schema here knows, under `gateway.unknown_fields: reject`: 400."""
+    if settings.gateway.unknown_fields == "reject":
+        unknown = unknown_fields(body)
+        if unknown:
+            raise bad_request(
+                f"unknown field {unknown[0]!r} (gateway.unknown_fields is reject)",
+                param=unknown[0],
+                code="unknown_field",
+            )
+
+
+def _structured(body: CompletionRequest | ChatCompletionRequest) -> Structured | None:
+    """The one grammar the request asks for (OpenAI's response_format, vLLM's
+    guided_* fields or structured_outputs), or None."""
+    found: list[Structured] = []
+    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+        rf = body.response_format
+        if rf.type == "json_object":
+            found.append(Structured("json_object", field="response_format"))
+        elif rf.type == "json_schema" and rf.json_schema is not None:
+            schema = json.dumps(rf.json_schema.schema_)
+            found.append(Structured("json_schema", schema, "response_format"))
+    if body.guided_json is not None:
+        found.append(
+            Structured("json_schema", _schema_text(body.guided_json, "guided_json"), "guided_json")
+        )
+    if body.guided_regex is not None:
+        found.append(Structured("regex", body.guided_regex, "guided_regex"))
+    if body.guided_choice is not None:
+        found.append(Structured("choice", tuple(body.guided_choice), "guided_choice"))
+    if body.guided_grammar is not None:
+        found.append(Structured("grammar", body.guided_grammar, "guided_grammar"))
+    so = body.structured_outputs
+    if so is not None:
+        at = "structured_outputs"
+        if so.json_ is not None:
+            found.append(Structured("json_schema", _schema_text(so.json_, f"{at}.json"), at))
+        if so.regex is not None:
+            found.append(Structured("regex", so.regex, at))
+        if so.choice is not None:
+            if not so.choice or not all(so.choice):
+                raise bad_request(f"{at}.choice: needs non-empty strings", param=f"{at}.choice")
+            found.append(Structured("choice", tuple(so.choice), at))
+        if so.grammar is not None:
+            found.append(Structured("grammar", so.grammar, at))
+        if so.json_object:
+            found.append(Structured("json_object", field=at))
+    if len(found) > 1:
+        names = ", ".join(sorted({s.field for s in found}))
+        raise bad_request(
+            f"only one structured output may be asked for, got {names}", param=found[1].field
+        )
+    return found[0] if found else None
+
+
+def _schema_text(schema: dict[str, Any] | str, name: str) -> str:
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        raise bad_request(f"{name}: not valid JSON", param=name) from None
+    if not isinstance(parsed, dict | bool):
+        raise bad_request(f"{name}: a JSON schema is an object", param=name)
+    return schema
+
+
 def _check_limits(
-    settings: Settings, *, max_tokens: int | None, n: int, stops: list[str], prompt_chars: int
+    settings: Settings,
+    *,
+    max_tokens: int | None,
+    n: int,
+    stops: list[str],
+    prompt_chars: int,
+    n_field: str = "n",
 ) -> None:
     lim = settings.gateway
     if max_tokens is not None and max_tokens > lim.max_tokens_limit:
@@ -174,7 +328,7 @@ def _check_limits(
             param="max_tokens",
         )
     if n > lim.max_n:
-        raise bad_request(f"n must be at most {lim.max_n}, got {n}", param="n")
+        raise bad_request(f"{n_field} must be at most {lim.max_n}, got {n}", param=n_field)
     if len(stops) > lim.max_stop_strings:
         raise bad_request(
             f"at most {lim.max_stop_strings} stop strings are supported, got {len(stops)}",
@@ -190,9 +344,11 @@ def _check_limits(
 
 def _common(
     body: CompletionRequest | ChatCompletionRequest,
+    settings: Settings,
     headers: Mapping[str, str],
     known_classes: set[str],
 ) -> dict:
+    check_fields(body, settings)
     check_slo_class(body.slo_class, known_classes)
     tpot = body.tpot_slo_ms
     if tpot is None and body.slo_class is None:
@@ -216,41 +372,88 @@ def _common(
         priority=body.priority,
         timeout_s=body.timeout,
         client_request_id=body.request_id or header_request_id(headers),
+        speculation=body.speculation.method if body.speculation else None,
+        n=body.n,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items())),
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
+        bad_words=tuple(body.bad_words or ()),
+        allowed_token_ids=tuple(body.allowed_token_ids or ()),
+        structured=_structured(body),
+        tokens_as_ids=body.return_tokens_as_token_ids,
     )
 
 
 def from_completion(
     body: CompletionRequest, settings: Settings, headers: Mapping[str, str], known: set[str]
-) -> GenerateSpec:
-    prompt = body.prompt
+) -> list[GenerateSpec]:
+    """One spec per prompt (OpenAI's list of prompts), each for n (or best_of)
+    sequences; choice i of prompt p is choice p * n + i of the response."""
+    prompts: list[Any] = list(body.prompt)
+    n = body.best_of or body.n
     _check_limits(
         settings,
         max_tokens=body.max_tokens,
-        n=body.n,
+        n=n,
         stops=body.stop or [],
-        prompt_chars=len(prompt),
+        prompt_chars=sum(len(p) for p in prompts),
+        n_field="best_of" if body.best_of else "n",
     )
-    if isinstance(prompt, str):
-        text, ids = prompt, None
-    else:
-        text, ids = None, tuple(prompt)
-    return GenerateSpec(
-        kind="completion",
-        prompt_text=text,
-        prompt_token_ids=ids,
-        max_tokens=body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
-        **_common(body, headers, known),
+    lim = settings.gateway
+    if len(prompts) > lim.max_prompts:
+        raise bad_request(
+            f"at most {lim.max_prompts} prompts per request, got {len(prompts)}", param="prompt"
+        )
+    if body.best_of is not None and body.best_of > body.n and body.stream:
+        raise bad_request("best_of > n cannot be streamed (as in OpenAI)", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs: the prompt's logprobs are not supported",
+            param="echo",
+            code="unsupported",
+        )
+    common = _common(body, settings, headers, known)
+    # best_of: rank best_of sequences by their cumulative logprob, so ask for them.
+    logprobs = body.logprobs
+    if body.best_of is not None and body.best_of > body.n and logprobs is None:
+        logprobs = 0
+    common |= {"n": n, "logprobs": logprobs, "echo": body.echo}
+    specs = []
+    for prompt in prompts:
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+        specs.append(
+            GenerateSpec(
+                kind="completion",
+                prompt_text=text,
+                prompt_token_ids=ids,
+                max_tokens=body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
+                **common,
+            )
+        )
+    return specs
+
+
+def chat_messages(messages: list[ChatMessage]) -> tuple[Message, ...]:
+    # "developer" is OpenAI's newer name for the system role; templates know "system".
+    return tuple(
+        Message(
+            "system" if m.role == "developer" else m.role,
+            m.text,
+            m.name or "",
+            m.tool_call_id or "",
+            tuple((c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()),
+        )
+        for m in messages
     )
 
 
 def from_chat(
     body: ChatCompletionRequest, settings: Settings, headers: Mapping[str, str], known: set[str]
 ) -> GenerateSpec:
-    messages = tuple(
-        # "developer" is OpenAI's newer name for the system role; templates know "system".
-        Message("system" if m.role == "developer" else m.role, m.text, m.name or "")
-        for m in body.messages
-    )
+    messages = chat_messages(body.messages)
     limit = body.token_limit
     _check_limits(
         settings,
@@ -259,10 +462,33 @@ def from_chat(
         stops=body.stop or [],
         prompt_chars=sum(len(m.content) for m in messages),
     )
+    common = _common(body, settings, headers, known)
+    common["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    common["tools"] = tools = tool_plan(body)
+    schema = tools.schema() if tools is not None else None
+    if schema is not None:  # a required or named call: grammar-constrained
+        if common["structured"] is not None:
+            raise bad_request(
+                f"tool_choice {tools.mode} cannot be combined with {common['structured'].field}",
+                param="tool_choice",
+            )
+        common["structured"] = Structured("json_schema", json.dumps(schema), "tool_choice")
     return GenerateSpec(
         kind="chat",
         messages=messages,
         add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
         max_tokens=limit or 0,
-        **_common(body, headers, known),
+        **common,
     )
+
+
+def tokenize_pb(body: TokenizeRequest) -> vpb.TokenizeRequest:
+    """vLLM's /tokenize body as the unit's Tokenize request."""
+    if body.messages is not None:
+        req = vpb.TokenizeRequest()
+        req.chat.add_generation_prompt = body.add_generation_prompt
+        for m in chat_messages(body.messages):
+            req.chat.messages.add(role=m.role, content=m.content, name=m.name)
+        return req
+    return vpb.TokenizeRequest(text=body.prompt or "", add_special_tokens=body.add_special_tokens)

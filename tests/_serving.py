@@ -34,7 +34,9 @@ CHAT_TEMPLATE = (
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_served_model(path: Path, seed: int = 0, **overrides: object) -> Path:
+def make_served_model(
+    path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE, **overrides: object
+) -> Path:
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +57,7 @@ def make_served_model(path: Path, seed: int = 0, **overrides: object) -> Path:
     )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     assert (fast.convert_tokens_to_ids("<|im_start|>"), fast.eos_token_id) == (IM_START, IM_END)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return path
 
@@ -176,6 +178,7 @@ def start_verifier(
     name: str = "verifier",
     metrics_port: int = -1,
     port: int | None = None,
+    served_name: str = "tiny",
 ) -> tuple[Proc, str]:
     """A verifier process (on a free port unless given), serving (model loaded) when
     this returns."""
@@ -191,7 +194,7 @@ def start_verifier(
         "--target",
         str(target),
         "--served-model-name",
-        "tiny",
+        served_name,
         "--config",
         str(cfg),
     ]

@@ -39,3 +39,30 @@ def test_walk_ratio_is_throughput_over_each_pass(bench) -> None:
     assert bench.walk_ratios(spec, base, 1) == pytest.approx([2.0, 1.0, 2.0, 1.0])
     # A trailing partial pass is left out.
     assert len(bench.walk_ratios(_row([1.0] * 5), _row([1.0] * 5), 2)) == 2
+
+
+def test_prompt_sets(bench) -> None:
+    builtin = bench.prompt_set(None)
+    assert [m[0]["content"] for m in builtin] == bench.PROMPTS
+    summaries = bench.prompt_set("summarize")
+    assert len(summaries) == 8
+    # the source to summarize is in the prompt: what the n-gram drafter copies from
+    assert all(len(m[-1]["content"]) > 200 for m in summaries)
+    with pytest.raises(SystemExit):
+        bench.prompt_set("poetry")
+
+
+def test_step_summary_from_counter_differences(bench) -> None:
+    delta = {
+        "steps/ngram": 30.0,
+        "emitted/ngram": 75.0,
+        "draft/ngram": 60.0,
+        "accepted/ngram": 45.0,
+        "steps/none": 10.0,
+        "emitted/none": 10.0,
+    }
+    got = bench.step_summary(delta)
+    assert got["tokens_per_step"] == pytest.approx(85 / 40)
+    assert got["acceptance"] == pytest.approx(45 / 60)
+    assert got["sources"] == {"ngram": 0.75, "none": 0.25}
+    assert bench.step_summary({})["tokens_per_step"] == 1.0

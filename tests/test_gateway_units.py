@@ -7,9 +7,11 @@ import asyncio
 import json
 
 import grpc
+import numpy as np
 import pytest
 
 from adaserve.config import Settings
+from adaserve.request import TokenLogprobs
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.auth import ApiKeys
 from gateway.core import Chunk
@@ -25,7 +27,8 @@ KNOWN = {"coding", "chat", "summarize"}
 
 def _completion(headers: dict | None = None, **body: object):
     req = CompletionRequest.model_validate({"prompt": "hi", **body})
-    return from_completion(req, Settings(), headers or {}, KNOWN)
+    (spec,) = from_completion(req, Settings(), headers or {}, KNOWN)
+    return spec
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -137,12 +140,67 @@ def test_chat_stream_format() -> None:
 
 
 def test_completion_full_format() -> None:
-    body = Formatter("completion", "cmpl-9", "m", include_usage=False).full("abc", "length", 2, 3)
+    f = Formatter("completion", "cmpl-9", "m", include_usage=False)
+    f.add(Chunk((1, 2), "ab", None, 2, 2))
+    f.add(Chunk((3,), "c", "length", 2, 3))
+    f.add(Chunk((4,), "x", "stop", 2, 1, index=1))
+    body = f.full(2)
     assert body["object"] == "text_completion"
     assert body["choices"] == [
-        {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}
+        {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"},
+        {"index": 1, "text": "x", "logprobs": None, "finish_reason": "stop"},
     ]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+
+
+def _lp(logprobs: list[float], top: list[list[tuple[int, float]]]) -> TokenLogprobs:
+    return TokenLogprobs(
+        np.array(logprobs, np.float32),
+        np.array([[t for t, _ in row] for row in top], np.int32).reshape(len(top), -1),
+        np.array([[v for _, v in row] for row in top], np.float32).reshape(len(top), -1),
+    )
+
+
+PIECES = {1: "He", 2: "llo", 3: " w", 9: "Hi", 8: "lo"}
+
+
+def test_chat_logprobs_format_and_held_back_tokens() -> None:
+    """OpenAI's chat shape; a token whose text is held back keeps its entry until its
+    choice's next frame, so every entry is sent once and in order."""
+    f = Formatter("chat", "chatcmpl-1", "m", include_usage=False, logprobs=True)
+    lp1 = _lp([-0.5], [[(1, -0.5), (9, -1.5)]])
+    assert f.chunk(Chunk((1,), "", None, 3, 1, logprobs=lp1, pieces=PIECES)) is None
+    lp2 = _lp([-0.25, -2.0], [[(2, -0.25), (8, -3.0)], [(3, -2.0), (1, -2.5)]])
+    frame = f.chunk(Chunk((2, 3), "Hello w", "length", 3, 3, logprobs=lp2, pieces=PIECES))
+    content = frame["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["He", "llo", " w"]
+    assert content[0] == {
+        "token": "He",
+        "logprob": -0.5,
+        "bytes": [72, 101],
+        "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+            {"token": "Hi", "logprob": -1.5, "bytes": [72, 105]},
+        ],
+    }
+    ids = Formatter("chat", "c", "m", False, logprobs=True, tokens_as_ids=True)
+    frame = ids.chunk(Chunk((1,), "He", "stop", 3, 1, logprobs=lp1, pieces=PIECES))
+    assert frame["choices"][0]["logprobs"]["content"][0]["token"] == "token_id:1"
+
+
+def test_completion_logprobs_format_with_echo() -> None:
+    f = Formatter("completion", "cmpl-1", "m", include_usage=False, logprobs=True)
+    f.prefix(0, "Say")
+    lp = _lp([-0.5, -0.25], [[(1, -0.5)], [(2, -0.25)]])
+    f.add(Chunk((1, 2), "Hello", "length", 3, 2, logprobs=lp, pieces=PIECES))
+    (choice,) = f.full(3)["choices"]
+    assert choice["text"] == "SayHello"
+    assert choice["logprobs"] == {
+        "tokens": ["He", "llo"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"He": -0.5}, {"llo": -0.25}],
+        "text_offset": [3, 5],
+    }
 
 
 def test_api_keys() -> None:

@@ -67,7 +67,36 @@ BAD = [
     ("completions", {"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
     ("completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
     ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
-    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "n": 17}, "n"),  # over gateway.max_n (16)
+    ("completions", {"prompt": "x", "n": 2, "best_of": 1}, None),
+    ("completions", {"prompt": "x", "best_of": 17}, "best_of"),
+    ("completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ("completions", {"prompt": ["x"] * 33}, "prompt"),  # over gateway.max_prompts (32)
+    ("completions", {"prompt": [[]]}, "prompt"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
+    ("completions", {"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ("completions", {"prompt": "x", "guided_json": "{not json"}, "guided_json"),
+    ("completions", {"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ("completions", {"prompt": "x", "guided_regex": "a", "guided_json": {}}, "guided_regex"),
+    ("chat/completions", {**CHAT, "top_logprobs": 3}, None),  # needs logprobs: true
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, None),
+    ("chat/completions", {**CHAT, "tool_choice": "required"}, None),  # no tools
+    (
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+        "guided_regex",
+    ),
     ("completions", {"prompt": "x", "tpot_slo_ms": -5}, "tpot_slo_ms"),
     ("completions", {"prompt": "x", "tpot_slo_ms": 0}, "tpot_slo_ms"),
     ("completions", {"prompt": "x", "tpot_slo_ms": 1e12}, "tpot_slo_ms"),
@@ -81,18 +110,18 @@ BAD = [
     ("completions", {"prompt": "x", "stop": [str(i) for i in range(9)]}, "stop"),
     ("completions", {"prompt": "x", "request_id": "bad id\nforged"}, "request_id"),
     ("completions", {"prompt": "x", "timeout": -1}, "timeout"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": "x" * 200_001}, "prompt"),
-    ("completions", {"prompt": "x", "echo": True}, None),
     ("completions", {"max_tokens": 5}, "prompt"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
     ("chat/completions", {"messages": "hi"}, "messages"),
     ("chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
-    ("chat/completions", {**CHAT, "logprobs": True}, None),
-    ("chat/completions", {**CHAT, "frequency_penalty": 1.0}, None),
     ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None),
+    ("completions", {"prompt": "x", "speculation": {"method": "fast"}}, "speculation.method"),
+    ("chat/completions", {**CHAT, "speculation": {"method": 3}}, "speculation.method"),
+    ("chat/completions", {**CHAT, "speculation": {}}, "speculation.method"),
+    ("chat/completions", {**CHAT, "speculation": "ngram"}, "speculation"),
 ]
 
 
@@ -106,25 +135,86 @@ def test_invalid_request_is_400(gateway: str, path: str, body: dict, param: str 
 
 
 UNSUPPORTED = [
-    ("completions", {"prompt": "x", "echo": True}, "echo"),
-    ("completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
-    ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
-    ("chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
-    ("chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-    ("chat/completions", {**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {"prompt": "x", "include_stop_str_in_output": True}, None),
+    ("completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"}, None),
+    ("completions", {"prompt": "x", "logits_processors": ["x"]}, "logits_processors"),
+    ("completions", {"prompt": "x", "store": True}, "store"),
+    ("completions", {"prompt": "x", "service_tier": "flex"}, "service_tier"),
+    (
+        "completions",
+        {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        "completions",
+        {"prompt": "x", "structured_outputs": {"structural_tag": {"x": 1}}},
+        "structured_outputs.structural_tag",
+    ),
+    ("chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {**CHAT, "audio": {"voice": "alloy"}}, "audio"),
+    ("chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ("chat/completions", {**CHAT, "prediction": {"type": "content"}}, "prediction"),
+    ("chat/completions", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+    ("chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
+    ("chat/completions", {**CHAT, "echo": True}, "echo"),
+    ("chat/completions", {**CHAT, "chat_template": "{{ x }}"}, "chat_template"),
 ]
 
 
-@pytest.mark.parametrize("path,body,feature", UNSUPPORTED)
-def test_unsupported_feature_is_named(gateway: str, path: str, body: dict, feature: str) -> None:
-    """A cross-field check's own words reach the client, not a generic body error."""
+@pytest.mark.parametrize("path,body,param", UNSUPPORTED)
+def test_unsupported_feature_is_named(gateway: str, path: str, body: dict, param: str) -> None:
+    """A known feature adaserve does not offer is a 400 naming it (code unsupported),
+    never silently ignored; the check's own words reach the client."""
     r = httpx.post(f"{gateway}/v1/{path}", json={"model": "m", **body})
     err = _assert_error(r, 400)
     assert err["code"] == "unsupported", err
-    assert feature in err["message"] and "not supported" in err["message"], err
+    name = param or next(k for k in body if k not in ("prompt", "messages", "model"))
+    assert err["param"] == name and name in err["message"], err
+    assert "not supported" in err["message"] or "only" in err["message"], err
     assert not err["message"].startswith("Value error"), err
+
+
+# Accepted: honoured, or a value that changes nothing (reaches routing: no unit, 503).
+ACCEPTED = [
+    ("completions", {"prompt": ["a", "b"], "n": 2, "echo": True}),
+    ("completions", {"prompt": [[1, 2], [3]], "best_of": 3, "logprobs": 2}),
+    ("completions", {"prompt": "x", "skip_special_tokens": True, "length_penalty": 1.0}),
+    ("completions", {"prompt": "x", "guided_decoding_backend": "guidance"}),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "[a-z]+"}}),
+    ("completions", {"prompt": "x", "user": "u", "service_tier": "auto", "store": False}),
+    (
+        "chat/completions",
+        {
+            **CHAT,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"5": -100, "7": 3.5},
+            "min_p": 0.1,
+            "min_tokens": 3,
+            "bad_words": ["cat"],
+            "allowed_token_ids": [1, 2, 3],
+            "modalities": ["text"],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True},
+            },
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("path,body", ACCEPTED)
+def test_supported_fields_pass_validation(gateway: str, path: str, body: dict) -> None:
+    _assert_error(httpx.post(f"{gateway}/v1/{path}", json={"model": "m", **body}), 503)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +272,9 @@ def test_openai_client_sees_documented_errors(gateway: str) -> None:
         client.completions.create(model="m", prompt="hi", max_tokens=-1)
     assert bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=3)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], n=17
+        )
 
 
 def test_metrics_count_rejections(gateway: str) -> None:
@@ -279,3 +371,26 @@ def test_bad_command_line_fails_cleanly(args: list[str], message: str) -> None:
             timeout=60,
         )
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_fields_are_refused_when_configured(tmp_path) -> None:
+    """gateway.unknown_fields: reject names the first unknown field, at any depth;
+    known fields, honoured or accepted, still pass (to routing: no unit here)."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("gateway:\n  unknown_fields: reject\n")
+    dead = free_port()
+    proc, url = start_gateway(tmp_path, "--verifier", f"127.0.0.1:{dead}", "--config", str(cfg))
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "some_future_field": 1})
+        err = _assert_error(r, 400, param="some_future_field")
+        assert err["code"] == "unknown_field"
+        nested = {**CHAT, "messages": [{"role": "user", "content": "x", "colour": "red"}]}
+        _assert_error(
+            httpx.post(f"{url}/v1/chat/completions", json=nested), 400, "messages.0.colour"
+        )
+        known = {**COMPLETION, "min_p": 0.1, "user": "u", "request_id": "r1"}
+        _assert_error(httpx.post(f"{url}/v1/completions", json=known), 503)
+        r = httpx.post(f"{url}/tokenize", json={"prompt": "x", "extra": 1})
+        _assert_error(r, 400, param="extra")
+    finally:
+        proc.stop()

@@ -368,6 +368,66 @@ def test_grpc_front_streams_every_token_once_in_order(stack: Stack) -> None:
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _metric(stack: Stack, name: str, method: str) -> float:
+    text = httpx.get(stack.verifier_metrics, timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{method="{method}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("method", ["auto", "model", "ngram", "none"])
+def test_speculation_method_per_request_keeps_the_targets_output(stack: Stack, method) -> None:
+    """The body field and the gRPC front's enum reach the engine: each method gives the
+    target's own greedy output, and the per-method metrics count its steps."""
+    messages = [{"role": "user", "content": "abc abc abc abc, say abc abc abc again"}]
+    ref = stack.reference(stack.chat_ids(messages), 40)
+    steps = "adaserve_spec_decode_method_steps_total"
+    before = {m: _metric(stack, steps, m) for m in ("ngram", "none")}
+    out = stack.client().chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"speculation": {"method": method}},
+    )
+    assert out.choices[0].message.content == stack.text(ref)
+    if method in before:  # these two always verify under their own name
+        assert _metric(stack, steps, method) >= before[method] + len(ref) // 8
+    enum = getattr(vpb, f"SPECULATION_METHOD_{method.upper()}")
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        chat = gpb.ChatCompleteRequest(
+            options=gpb.RequestOptions(max_tokens=40, temperature=0, speculation_method=enum),
+            messages=[vpb.ChatMessage(**m) for m in messages],
+        )
+        got = [t for c in ggrpc.GatewayStub(ch).ChatComplete(chat, timeout=60) for t in c.token_ids]
+    assert got == ref
+    assert stack.wait_idle().num_requests == 0
+
+
+def test_unavailable_or_unknown_speculation_method_is_refused(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        stack.client().completions.create(
+            model="tiny",
+            prompt="abc",
+            max_tokens=4,
+            extra_body={"speculation": {"method": "eagle"}},
+        )
+    assert "speculation.method" in info.value.message and "not available" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        stack.client().completions.create(
+            model="tiny", prompt="abc", max_tokens=4, extra_body={"speculation": {"method": "x"}}
+        )
+    assert info.value.body["param"] == "speculation.method"
+    with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
+        req = gpb.CompleteRequest(options=gpb.RequestOptions(max_tokens=4), text="abc")
+        req.options.speculation_method = 9  # type: ignore[assignment]
+        list(ggrpc.GatewayStub(ch).Complete(req, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "speculation.method" in err.value.details()
+    assert stack.wait_idle().num_requests == 0
+
+
 def test_request_id_and_priority(stack: Stack) -> None:
     raw = stack.client().completions.with_raw_response.create(
         model="tiny", prompt="abc", max_tokens=3, extra_body={"request_id": "r-42", "priority": 5}
@@ -539,16 +599,32 @@ def test_client_disconnect_frees_state(stack: Stack, stream: bool) -> None:
     assert "adaserve_gateway_requests_in_flight 0.0" in metrics
 
 
-def test_timeout_ends_the_request(stack: Stack) -> None:
-    out = stack.client().completions.create(
+def test_timeout_is_an_openai_error(stack: Stack) -> None:
+    """OpenAI clients know no finish_reason "timeout": a request past its deadline is a
+    408 in OpenAI's error shape, or, once streaming, an error frame (the client raises)
+    and no [DONE]. Its state is freed either way."""
+    kw = dict(
         model="tiny",
         prompt="slow",
         max_tokens=480,
         temperature=0,
         extra_body={"ignore_eos": True, "timeout": 0.3},
     )
-    assert out.choices[0].finish_reason == "timeout"
-    assert out.usage.completion_tokens < 480
+    with pytest.raises(openai.APIStatusError) as info:
+        stack.client().completions.create(**kw)
+    assert info.value.status_code == 408
+    assert info.value.body["code"] == "timeout" and info.value.body["param"] == "timeout"
+    assert stack.wait_idle().num_requests == 0
+    with pytest.raises(openai.APIError) as streamed:
+        for _ in stack.client().completions.create(stream=True, **kw):
+            pass
+    assert "timed out" in streamed.value.message
+    body = {"model": "tiny", "prompt": "slow", "max_tokens": 480, "ignore_eos": True}
+    _, frames = _stream_frames(
+        f"{stack.url}/v1/completions", body | {"stream": True, "timeout": 0.3}
+    )
+    assert frames[-1]["error"]["code"] == "timeout"
+    assert all(f.get("choices", [{}])[0].get("finish_reason") in (None,) for f in frames[:-1])
     assert stack.wait_idle().num_requests == 0
 
 
@@ -664,3 +740,14 @@ def test_demo_against_the_stack(stack: Stack, tmp_path: Path) -> None:
     assert all(g["slo_attainment"] is not None for g in summary["per_class"].values())
     assert (tmp_path / "tpot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "TPOT p50/p90 ms" in r.stdout
+
+
+def test_demo_refuses_a_rate_that_is_not_positive() -> None:
+    argv = ["--url", "http://127.0.0.1:9", "--rps", "0", "--long-prompts"]
+    r = subprocess.run(
+        [sys.executable, "-m", "adaserve.cli", "demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--rps must be positive" in r.stderr, r.stderr

@@ -94,6 +94,24 @@ def test_info(stub: vgrpc.VerifierStub) -> None:
     assert info.slo_classes["chat"] == 50.0
     assert info.slo_classes["coding"] == pytest.approx(1.2 * info.baseline_tpot_ms)
     assert info.default_slo_class == "chat"
+    assert list(info.speculation_methods) == ["auto", "model", "ngram", "none"]
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        vpb.SPECULATION_METHOD_AUTO,
+        vpb.SPECULATION_METHOD_MODEL,
+        vpb.SPECULATION_METHOD_NGRAM,
+        vpb.SPECULATION_METHOD_NONE,
+    ],
+)
+def test_every_speculation_method_is_the_targets_greedy_output(stub, models, method) -> None:
+    # A prompt that repeats itself: the n-gram drafter has matches to draft from.
+    ids = [40, 41, 42, 43, 44, 45] * 4
+    req = _request(f"method-{method}", max_tokens=40, token_ids=vpb.TokenIds(ids=ids))
+    req.speculation_method = method
+    assert _tokens(_run(stub, req)[1:]) == greedy_reference(models[0], ids, 40)
 
 
 def test_token_ids_greedy_equals_target(stub: vgrpc.VerifierStub, models) -> None:
@@ -149,6 +167,8 @@ def test_slo_resolution(stub: vgrpc.VerifierStub) -> None:
         (_request("bad-6", slo_class="gold"), "slo_class"),
         (_request("bad-7", max_tokens=-2), "max_tokens"),
         (_request("bad-8", token_ids=vpb.TokenIds(ids=[-1, 3])), "token"),
+        (_request("bad-9", speculation_method=9), "speculation.method"),  # type: ignore[arg-type]
+        (_request("bad-10", speculation_method=vpb.SPECULATION_METHOD_EAGLE), "not available"),
     ],
 )
 def test_bad_input_is_invalid_argument(stub, req: vpb.GenerateRequest, fragment: str) -> None:

@@ -27,7 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     # 1.5 req/s is where the classes separate on a 2-core CPU (README): at 0.5 every
     # request is far under its SLO and the classes look alike.
-    p.add_argument("--rps", type=float, default=1.5, help="mean request rate (Poisson)")
+    p.add_argument(
+        "--rps",
+        type=float,
+        default=None,
+        help="mean request rate (Poisson); default 1.5, or 0.3 with --long-prompts (on a "
+        "2-core CPU a 3k-token document takes ~6 s to prefill)",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument(
         "--mix",
@@ -52,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rps is None:
+        args.rps = 0.3 if args.long_prompts else 1.5
+    if args.rps <= 0:
+        print("adaserve demo: --rps must be positive", file=sys.stderr)
+        return 2
     try:
         mix = _parse_mix(args.mix)
     except ValueError as exc:

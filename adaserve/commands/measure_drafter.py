@@ -7,7 +7,13 @@ verification step of a width-1 depth-`--depth` chain (bonus included) follow exa
 (adaserve/distill/measure.py). Cost: median decode-step latency of the runtime's runner
 for each model, one sequence, on the CPU.
 
+`--drafter` takes several drafters, measured on the same target continuations (one
+generation); `ngram` names the n-gram drafter (adaserve/ngram.py), whose chain steps
+are simulated draft by draft and whose cost is the mean time of one depth-`--depth`
+draft.
+
     adaserve measure-drafter --target embedded --drafter embedded --limit 48
+    adaserve measure-drafter --drafter embedded ngram --per-category 12 --json
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,9 +30,20 @@ PROMPTS = Path(__file__).resolve().parent.parent / "distill" / "prompts" / "held
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="target: HF dir, GGUF file or 'embedded'")
-    p.add_argument("--drafter", default="embedded", help="drafter directory or 'embedded'")
+    p.add_argument(
+        "--drafter",
+        nargs="+",
+        default=["embedded"],
+        help="drafter directories, 'embedded' or 'ngram' (several: one table each)",
+    )
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'messages' rows")
     p.add_argument("--limit", type=int, default=48, help="prompts to use (spread over the file)")
+    p.add_argument(
+        "--per-category",
+        type=int,
+        default=None,
+        help="instead of --limit: the first N prompts of each category",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=16, help="prompts per target generation batch")
@@ -44,8 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _pick(rows: list[dict], limit: int) -> list[dict]:
+def _pick(rows: list[dict], limit: int, per_category: int | None = None) -> list[dict]:
     rows = [r for r in rows if "messages" in r]
+    if per_category is not None:
+        seen: dict[str, int] = defaultdict(int)
+        picked = []
+        for r in rows:
+            cat = r.get("category", "all")
+            if seen[cat] < per_category:
+                seen[cat] += 1
+                picked.append(r)
+        return picked
     if limit >= len(rows):
         return rows
     step = len(rows) / limit  # spread over the file, which mixes categories
@@ -55,9 +82,7 @@ def _pick(rows: list[dict], limit: int) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from adaserve.distill import measure
     from adaserve.distill.data import Sequences, read_prompt_file
-    from adaserve.distill.export import load_drafter
     from adaserve.distill.generate import generate_all
     from adaserve.distill.weights import load_teacher
     from adaserve.model.loader import load_tokenizer, resolve_model
@@ -66,8 +91,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         target_dir = resolve_model(args.target, "target")
-        drafter_dir = resolve_model(args.drafter, "drafter")
-        rows = _pick(read_prompt_file(args.prompts), args.limit)
+        rows = _pick(read_prompt_file(args.prompts), args.limit, args.per_category)
         tok = load_tokenizer(args.target)
         prompts = [
             tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
@@ -86,30 +110,66 @@ def run(args: argparse.Namespace) -> int:
             desc="target greedy",
         )
         data = Sequences.build(prompt_ids, conts)
-        student, head, d2t = load_drafter(drafter_dir, target_dir)
-        matches = measure.draft_matches(student, head, d2t, data)
+        results = {name: _measure(name, args, target_dir, data, rows) for name in args.drafter}
     except (ValueError, FileNotFoundError) as exc:
         print(f"adaserve measure-drafter: {exc}", file=sys.stderr)
         return 2
-    overall = measure.summarize(matches, args.depth)
+    if args.json:
+        if len(results) == 1:
+            (result,) = results.values()
+        else:
+            result = {"target": str(target_dir), "prompts": str(args.prompts), "drafters": results}
+        print(json.dumps(result, indent=2))
+        return 0
+    for name, result in results.items():
+        _print(name, result, args.depth)
+    return 0
+
+
+def _measure(name: str, args: argparse.Namespace, target_dir: Path, data, rows) -> dict:
+    from adaserve.distill import measure
+
+    steps = None
+    if name == "ngram":
+        from adaserve.ngram import NgramDrafter
+
+        drafter = NgramDrafter()
+        t0 = time.perf_counter()
+        matches, steps = measure.ngram_matches(data, args.depth, drafter)
+        calls = sum(steps) + sum(len(m) for m in matches)  # depth-d drafts + top-1 probes
+        draft_ms = (time.perf_counter() - t0) * 1000.0 / max(calls, 1)
+        source = "ngram"
+    else:
+        from adaserve.distill.export import load_drafter
+        from adaserve.model.loader import resolve_model
+
+        drafter_dir = resolve_model(name, "drafter")
+        student, head, d2t = load_drafter(drafter_dir, target_dir)
+        matches = measure.draft_matches(student, head, d2t, data)
+        source = str(drafter_dir)
+    steps = steps or [measure.chain_steps(m, args.depth) for m in matches]
+    overall = measure.summarize(matches, args.depth, steps)
     by_cat: dict[str, list] = defaultdict(list)
-    for r, m in zip(rows, matches, strict=True):
-        by_cat[r.get("category", "all")].append(m)
+    for r, m, s in zip(rows, matches, steps, strict=True):
+        by_cat[r.get("category", "all")].append((m, s))
     result = {
         "target": str(target_dir),
-        "drafter": str(drafter_dir),
+        "drafter": source,
         "prompts": str(args.prompts),
         **overall.as_dict(),
         "by_category": {
-            c: measure.summarize(ms, args.depth).as_dict() for c, ms in sorted(by_cat.items())
+            c: measure.summarize([m for m, _ in ms], args.depth, [s for _, s in ms]).as_dict()
+            for c, ms in sorted(by_cat.items())
         },
     }
-    if args.cost_steps > 0:
+    if name == "ngram":
+        result["drafter_ms_per_draft"] = round(draft_ms, 3)
+    elif args.cost_steps > 0:
         from adaserve.distill.cost import decode_ms_per_token
 
         t_ms = decode_ms_per_token(args.target, "target", args.cost_steps, threads=args.threads)
         d_ms = decode_ms_per_token(
-            args.drafter,
+            name,
             "drafter",
             args.cost_steps,
             threads=args.threads,
@@ -121,14 +181,16 @@ def run(args: argparse.Namespace) -> int:
             cost_ratio=round(t_ms / d_ms, 2),
             drafter_quantization=args.drafter_quantization,
         )
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"held-out prompts: {overall.sequences}, continuation tokens: {overall.tokens}")
-    print(f"top-1 agreement with the target's greedy token: {overall.top1_agreement:.3f}")
+    return result
+
+
+def _print(name: str, result: dict, depth: int) -> None:
+    print(f"drafter {name}")
+    print(f"held-out prompts: {result['sequences']}, continuation tokens: {result['tokens']}")
+    print(f"top-1 agreement with the target's greedy token: {result['top1_agreement']:.3f}")
     print(
-        f"mean tokens per verification step (depth-{args.depth} chain, bonus included): "
-        f"{overall.mean_emitted:.3f}"
+        f"mean tokens per verification step (depth-{depth} chain, bonus included): "
+        f"{result['mean_emitted']:.3f}"
     )
     for c, a in result["by_category"].items():
         print(
@@ -139,4 +201,5 @@ def run(args: argparse.Namespace) -> int:
             f"decode ms/token: target {result['target_ms_per_token']:.2f}, drafter "
             f"{result['drafter_ms_per_token']:.2f}: drafter {result['cost_ratio']:.1f}x cheaper"
         )
-    return 0
+    if "drafter_ms_per_draft" in result:
+        print(f"n-gram: {result['drafter_ms_per_draft']:.3f} ms per draft (no model)")

@@ -17,6 +17,8 @@ import torch
 
 from adaserve.distill.data import Sequences
 from adaserve.distill.llama import LlamaModel
+from adaserve.ngram import NgramDrafter
+from adaserve.speculate import DraftUpdate
 
 
 @dataclass(frozen=True)
@@ -44,18 +46,25 @@ def chain_steps(match: np.ndarray, depth: int) -> int:
     return steps
 
 
-def summarize(matches: Iterable[np.ndarray], depth: int) -> Acceptance:
-    matches = [m for m in matches if len(m)]
+def summarize(
+    matches: Iterable[np.ndarray], depth: int, steps: Iterable[int] | None = None
+) -> Acceptance:
+    """`steps`: per sequence, verification steps measured directly (a drafter whose
+    j-th draft is not its teacher-forced prediction at i + j); else chain_steps."""
+    matches = list(matches)
+    per_seq = [chain_steps(m, depth) for m in matches] if steps is None else list(steps)
+    kept = [(m, s) for m, s in zip(matches, per_seq, strict=True) if len(m)]
+    matches = [m for m, _ in kept]
     tokens = sum(len(m) for m in matches)
-    steps = sum(chain_steps(m, depth) for m in matches)
+    total = sum(s for _, s in kept)
     agree = sum(int(m.sum()) for m in matches)
     return Acceptance(
         sequences=len(matches),
         tokens=tokens,
         top1_agreement=agree / max(tokens, 1),
-        mean_emitted=tokens / max(steps, 1),
+        mean_emitted=tokens / max(total, 1),
         depth=depth,
-        steps=steps,
+        steps=total,
     )
 
 
@@ -87,3 +96,51 @@ def draft_matches(
             pred = d2t[student.logits(h.float(), head.float()).argmax(-1)]
             out.append((pred == ids[r, pl:n]).cpu().numpy())
     return out
+
+
+def ngram_matches(
+    data: Sequences, depth: int, drafter: NgramDrafter | None = None
+) -> tuple[list[np.ndarray], list[int]]:
+    """The n-gram drafter on each (prompt, target continuation): per sequence, whether
+    its most likely first token at each continuation position is the target's (no
+    proposal: a miss), and the verification steps a width-1 depth-`depth` chain takes.
+
+    Its drafts come from one match's continuation, not from a fresh prediction at each
+    position, so the steps are simulated: draft from the committed tokens, accept the
+    run of matching tokens, emit one more, repeat. Exact for greedy chain speculation."""
+    drafter = drafter or NgramDrafter()
+    matches, steps = [], []
+    for i in range(len(data)):
+        first, count = _ngram_sequence(drafter, data.seq(i), int(data.prompt_lens[i]), depth)
+        matches.append(first)
+        steps.append(count)
+    return matches, steps
+
+
+def _ngram_sequence(
+    drafter: NgramDrafter, seq: np.ndarray, prompt_len: int, depth: int
+) -> tuple[np.ndarray, int]:
+    n = len(seq)
+    have = 0  # tokens the drafter holds: updates carry only the new ones
+
+    def draft(pos: int, d: int) -> np.ndarray:
+        nonlocal have
+        (tree,) = drafter.speculate([DraftUpdate("m", seq[have:pos], pos)], d, 1)
+        have = pos
+        return tree.tokens[1:]
+
+    first = np.zeros(n - prompt_len, dtype=bool)
+    for pos in range(prompt_len, n):  # top-1 agreement: one proposal per position
+        guess = draft(pos, 1)
+        first[pos - prompt_len] = guess.shape[0] > 0 and int(guess[0]) == int(seq[pos])
+    drafter.release(["m"])
+    have, pos, count = 0, prompt_len, 0
+    while pos < n:
+        chain = draft(pos, depth)
+        k = 0
+        while k < chain.shape[0] and pos + k < n and chain[k] == seq[pos + k]:
+            k += 1
+        pos += min(k + 1, n - pos)
+        count += 1
+    drafter.release(["m"])
+    return first, count

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaserve.request import FINISH_REASONS
+from adaserve.request import FINISH_REASONS, SPECULATION_METHODS, TokenLogprobs
 from adaserve.routing import UnitLoad
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from adaserve.selection import (
@@ -63,6 +63,31 @@ _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 assert set(_FINISH_TO_PB) == {None, *FINISH_REASONS}
 
 
+_METHOD_TO_PB = {
+    None: verifier_pb2.SPECULATION_METHOD_UNSPECIFIED,  # the class's, else the default
+    "auto": verifier_pb2.SPECULATION_METHOD_AUTO,
+    "model": verifier_pb2.SPECULATION_METHOD_MODEL,
+    "eagle": verifier_pb2.SPECULATION_METHOD_EAGLE,
+    "ngram": verifier_pb2.SPECULATION_METHOD_NGRAM,
+    "none": verifier_pb2.SPECULATION_METHOD_NONE,
+}
+_METHOD_FROM_PB = {v: k for k, v in _METHOD_TO_PB.items()}
+assert set(_METHOD_TO_PB) == {None, *SPECULATION_METHODS}
+
+
+def speculation_method_to_pb(method: str | None) -> int:
+    return _METHOD_TO_PB[method]
+
+
+def speculation_method_from_pb(value: int) -> str | None:
+    """The method a request asks for (None: unspecified); WireError naming the field
+    for a value this build does not know."""
+    try:
+        return _METHOD_FROM_PB[value]
+    except KeyError:
+        raise WireError(f"speculation.method: unknown enum value {value}") from None
+
+
 class WireError(ValueError):
     """A message that cannot be a valid request; the text names the field."""
 
@@ -92,6 +117,30 @@ def finish_reason_from_pb(value: int) -> str | None:
     """The finish reason of a wire enum: None for UNSPECIFIED (the stream goes on); a
     value this build does not know (a newer server) reads as "error"."""
     return _FINISH_FROM_PB.get(value, "error")
+
+
+# ---- logprobs -------------------------------------------------------------------------
+
+
+def logprobs_to_pb(lp: TokenLogprobs, pieces: dict[int, str]) -> verifier_pb2.TokenLogprobs:
+    return verifier_pb2.TokenLogprobs(
+        logprobs=packed(lp.logprobs, F32),
+        top_k=int(lp.top_ids.shape[1]),
+        top_token_ids=packed(lp.top_ids, I32),
+        top_logprobs=packed(lp.top_logprobs, F32),
+        pieces=pieces,
+    )
+
+
+def logprobs_from_pb(msg: verifier_pb2.TokenLogprobs, n: int) -> TokenLogprobs:
+    """The log-probabilities of a chunk of `n` tokens; WireError on a ragged message."""
+    lp = unpacked(msg.logprobs, F32, "logprobs.logprobs")
+    ids = unpacked(msg.top_token_ids, I32, "logprobs.top_token_ids")
+    top = unpacked(msg.top_logprobs, F32, "logprobs.top_logprobs")
+    k = msg.top_k
+    if lp.shape[0] != n or k < 0 or ids.shape[0] != n * k or top.shape[0] != n * k:
+        raise WireError(f"logprobs: {lp.shape[0]} values and top_k {k} for {n} tokens")
+    return TokenLogprobs(lp, ids.reshape(n, k), top.reshape(n, k))
 
 
 # ---- trees ----------------------------------------------------------------------------

@@ -17,24 +17,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from adaserve.chat import render as chat_render
+from adaserve.chat import tool_call_format
 from adaserve.config import Settings
 from adaserve.engine import Engine, EngineDraining, EngineFull
-from adaserve.request import GenerationRequest, SamplingParams, TokenDelta
+from adaserve.request import GenerationRequest, SamplingParams, StructuredOutput, TokenDelta
 from adaserve.routing import PrefixLog
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
+from adaserve.sampling import sequence_seed
 from adaserve.slo import describe
-from services.common.convert import finish_reason_to_pb, load_to_pb
+from adaserve.stream import RequestStream
+from services.common.convert import (
+    finish_reason_to_pb,
+    load_to_pb,
+    logprobs_to_pb,
+    speculation_method_from_pb,
+)
 from services.common.server import GrpcServer, Service
 
 log = logging.getLogger("adaserve.verifier")
@@ -58,6 +68,8 @@ class VerifierServicer(vgrpc.VerifierServicer):
         # detokenizes with the engine's instance.
         self.tokenizer = tokenizer
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._pieces: dict[int, str] = {}  # token id -> its text alone (tokenizer thread)
+        self._siblings: dict[str, list[str]] = {}  # request id -> its n engine ids
         self.prefixes = PrefixLog(settings.fleet.prefix_keys)
         self._generating = 0  # Generate calls past admission, not yet ended
         self._changed = asyncio.Event()  # replaced each time it fires (_notify)
@@ -69,28 +81,53 @@ class VerifierServicer(vgrpc.VerifierServicer):
     ) -> AsyncIterator[vpb.GenerateChunk]:
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._tokenize, self._prompt_ids, request)
-        slo = self._slo(request)
-        req = GenerationRequest(
-            id=request.request_id,
-            prompt_token_ids=prompt,
-            sampling=self._sampling(request.sampling, len(prompt)),
-            tpot_slo_ms=slo.tpot_ms,
-            slo_class=slo.name,
-            priority=request.priority,
-            timeout_s=request.timeout_s or None,
-            ttft_slo_ms=slo.ttft_ms,
+        prompt, sampling, prompt_text = await loop.run_in_executor(
+            self._tokenize, self._convert, request
         )
+        slo = self._slo(request)
+        speculation = speculation_method_from_pb(request.speculation_method)
+        n = max(1, request.n)
+        # n > 1: n engine requests, each with its own SLO accounting and random stream;
+        # the others are admitted once the first one's prompt is prefilled and take its
+        # KV from the prefix cache (fork after prefill).
+        ids = [request.request_id] + [f"{request.request_id}.{i}" for i in range(1, n)]
+        reqs = [
+            GenerationRequest(
+                id=rid,
+                prompt_token_ids=prompt,
+                sampling=replace(sampling, seed=sequence_seed(sampling.seed, i)),
+                tpot_slo_ms=slo.tpot_ms,
+                slo_class=slo.name,
+                priority=request.priority,
+                timeout_s=request.timeout_s or None,
+                ttft_slo_ms=slo.ttft_ms,
+                speculation=speculation,
+                fork_of=None if i == 0 else ids[0],
+            )
+            for i, rid in enumerate(ids)
+        ]
+        streams: list[RequestStream] = []
         try:
-            stream = self.engine.submit(req)
+            for r in reqs:
+                streams.append(self.engine.submit(r))
         except EngineFull as exc:
+            for s in streams:
+                self.engine.abort(s.request_id)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 str(exc),
                 trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),),
             )
         except EngineDraining as exc:
+            for s in streams:
+                self.engine.abort(s.request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise
+        req, stream = reqs[0], streams[0]
+        self._siblings[req.id] = ids
         self.prefixes.touch(request.prefix_keys)
         self._generating += 1
         log.info(
@@ -100,13 +137,14 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 "client_request_id": request.client_request_id or None,
                 "prompt_tokens": len(prompt),
                 "max_tokens": req.sampling.max_tokens,
+                "n": n,
                 "tpot_slo_ms": slo.tpot_ms,
                 "slo_class": slo.name,
                 "best_effort": stream.verdict.best_effort,
                 "ttft_slo_ms": slo.ttft_ms,
             },
         )
-        finished = False
+        running = set(ids)
         try:
             yield vpb.GenerateChunk(
                 num_prompt_tokens=len(prompt),
@@ -117,21 +155,52 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 best_effort_reason=stream.verdict.reason or "",
                 ttft_slo_ms=slo.ttft_ms or 0.0,
                 server_elapsed_ms=_ms_since(t0),
+                prompt_text=prompt_text,
             )
-            async for delta in stream.aiter():
-                finished = delta.finish_reason is not None
-                yield _chunk(delta, slo, t0)
+            async for index, delta in _merged(streams):
+                if delta.finish_reason is not None:
+                    running.discard(ids[index])
+                chunk = _chunk(delta, slo, t0)
+                chunk.index = index
+                if delta.logprobs is not None:
+                    lp = delta.logprobs
+                    wanted = {*delta.token_ids, *lp.top_ids.ravel().tolist()}
+                    pieces = await loop.run_in_executor(self._tokenize, self._decode_each, wanted)
+                    chunk.logprobs.CopyFrom(logprobs_to_pb(lp, pieces))
+                yield chunk
         finally:
             self._generating -= 1
-            if not finished:
+            self._siblings.pop(req.id, None)
+            for rid in running:
                 # Cancelled mid-stream (the exception propagates on its own).
-                self.engine.abort(req.id)
+                self.engine.abort(rid)
 
     async def Abort(
         self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> vpb.AbortResponse:
-        self.engine.abort(request.request_id)
+        for rid in self._siblings.get(request.request_id, [request.request_id]):
+            self.engine.abort(rid)
         return vpb.AbortResponse()
+
+    async def Tokenize(
+        self, request: vpb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> vpb.TokenizeResponse:
+        loop = asyncio.get_running_loop()
+        ids, pieces = await loop.run_in_executor(self._tokenize, self._tokenize_ids, request)
+        return vpb.TokenizeResponse(ids=ids, max_model_len=self.engine.max_model_len, pieces=pieces)
+
+    async def Detokenize(
+        self, request: vpb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> vpb.DetokenizeResponse:
+        vocab = int(getattr(self.engine.target, "vocab_size", 0))
+        if any(t < 0 or t >= vocab for t in request.ids):
+            raise ValueError(f"tokens: token ids must be in [0, {vocab})")
+        tok = self._require_tokenizer()
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(
+            self._tokenize, lambda: tok.decode(list(request.ids), skip_special_tokens=False)
+        )
+        return vpb.DetokenizeResponse(text=text)
 
     async def Info(
         self, request: vpb.InfoRequest, context: grpc.aio.ServicerContext
@@ -153,6 +222,8 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 for name, cls in self.settings.slo.classes.items()
                 if cls.ttft_ms is not None
             },
+            speculation_methods=list(info.speculation_methods),
+            tool_call_format=tool_call_format(self.tokenizer) if self.tokenizer else "",
         )
 
     async def Stats(
@@ -256,6 +327,43 @@ class VerifierServicer(vgrpc.VerifierServicer):
 
     # -- conversion ------------------------------------------------------------------
 
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this serving unit has no tokenizer: send prompt token ids")
+        return self.tokenizer
+
+    def _convert(self, request: vpb.GenerateRequest) -> tuple[tuple[int, ...], SamplingParams, str]:
+        """(prompt ids, sampling, the prompt's text if echo was asked), on the
+        tokenizer thread: bad words are tokenized and grammars compiled (refused here,
+        naming the field, before anything is admitted)."""
+        prompt = self._prompt_ids(request)
+        sampling = self._sampling(request.sampling, len(prompt))
+        so = sampling.structured
+        if so is not None and self.engine.grammar is not None:
+            self.engine.grammar.compile(so)
+        text = ""
+        if request.echo:
+            text = self._require_tokenizer().decode(list(prompt), skip_special_tokens=False)
+        return prompt, sampling, text
+
+    def _decode_each(self, ids: set[int]) -> dict[int, str]:
+        tok = self._require_tokenizer()
+        for t in ids - self._pieces.keys():
+            self._pieces[t] = tok.decode([t], skip_special_tokens=False)
+        return {t: self._pieces[t] for t in ids}
+
+    def _tokenize_ids(self, request: vpb.TokenizeRequest) -> tuple[list[int], list[str]]:
+        tok = self._require_tokenizer()
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            ids = list(tok.encode(request.text, add_special_tokens=request.add_special_tokens))
+        elif which == "chat":
+            ids = _render_chat(tok, request.chat)
+        else:
+            raise ValueError("prompt: one of text or messages is required")
+        pieces = self._decode_each(set(ids))
+        return ids, [pieces[t] for t in ids]
+
     def _prompt_ids(self, request: vpb.GenerateRequest) -> tuple[int, ...]:
         """Token ids of the prompt; ValueError (INVALID_ARGUMENT) when it cannot be had."""
         which = request.WhichOneof("prompt")
@@ -310,7 +418,36 @@ class VerifierServicer(vgrpc.VerifierServicer):
             stop=tuple(sp.stop),
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty or 1.0,
+            logit_bias=tuple(sorted(sp.logit_bias.items())),
+            min_p=sp.min_p,
+            min_tokens=sp.min_tokens,
+            bad_words=self._bad_words(sp.bad_words),
+            allowed_token_ids=tuple(sp.allowed_token_ids),
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            structured=_structured(sp.structured_output)
+            if sp.HasField("structured_output")
+            else None,
         )
+
+    def _bad_words(self, words: Any) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad words: each word alone and after a space (where
+        that is a different first token), so it is banned at the start and mid-text."""
+        if not words:
+            return ()
+        tok = self._require_tokenizer()
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            if not word.strip():
+                raise ValueError("bad_words: words must not be empty")
+            plain = tuple(tok.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tok.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return tuple(out)
 
 
 def resolved_classes(settings: Settings, baseline_tpot_ms: float) -> dict[str, float]:
@@ -335,19 +472,76 @@ def log_slos(engine: Engine, settings: Settings) -> None:
     )
 
 
+def _structured(so: vpb.StructuredOutput) -> StructuredOutput:
+    field = so.field or "structured_output"
+    which = so.WhichOneof("kind")
+    if which == "json_object":
+        return StructuredOutput("json_object", field=field)
+    if which == "choice":
+        return StructuredOutput("choice", json.dumps(list(so.choice.choices)), field=field)
+    if which in ("json_schema", "regex", "grammar"):
+        return StructuredOutput(which, getattr(so, which), field=field)
+    raise ValueError(f"{field}: one of json_schema, json_object, regex, choice or grammar")
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """(sequence index, delta) from n streams as they come, until every one finished."""
+    if len(streams) == 1:
+        async for delta in streams[0].aiter():
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TokenDelta]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        async for delta in s.aiter():
+            queue.put_nowait((i, delta))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    left = len(streams)
+    try:
+        while left:
+            i, delta = await queue.get()
+            left -= delta.finish_reason is not None
+            yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 def _render_chat(tokenizer: Any, chat: vpb.ChatMessages) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: use /v1/completions")
     messages = [
-        {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+        {
+            "role": m.role,
+            "content": m.content,
+            **({"name": m.name} if m.name else {}),
+            **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+            **(
+                {
+                    "tool_calls": [
+                        {"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls
+                    ]
+                }
+                if m.tool_calls
+                else {}
+            ),
+        }
         for m in chat.messages
     ]
-    # Render to text, then encode: the same on every transformers version (tokenize=True
-    # changed its return type), and the template already holds the special tokens.
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=chat.add_generation_prompt, tokenize=False
+    tools = None
+    if chat.tools_json:
+        try:
+            tools = json.loads(chat.tools_json)
+        except ValueError:
+            raise ValueError("tools: not valid JSON") from None
+        if not isinstance(tools, list):
+            raise ValueError("tools: must be a list")
+    return chat_render(
+        tokenizer,
+        messages,
+        tools,
+        add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_final_message,
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)

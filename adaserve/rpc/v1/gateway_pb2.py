@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from adaserve.rpc.v1 import verifier_pb2 as adaserve_dot_rpc_dot_v1_dot_verifier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61\x64\x61serve/rpc/v1/gateway.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1e\x61\x64\x61serve/rpc/v1/verifier.proto\"\xea\x02\n\x0eRequestOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x13\n\x0btpot_slo_ms\x18\n \x01(\x01\x12\x11\n\tslo_class\x18\x0b \x01(\t\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x11\n\ttimeout_s\x18\x0e \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x0f \x01(\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x01\n\x0f\x43ompleteRequest\x12\x30\n\x07options\x18\x01 \x01(\x0b\x32\x1f.adaserve.rpc.v1.RequestOptions\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.adaserve.rpc.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"w\n\x13\x43hatCompleteRequest\x12\x30\n\x07options\x18\x01 \x01(\x0b\x32\x1f.adaserve.rpc.v1.RequestOptions\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.adaserve.rpc.v1.ChatMessage\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x9b\x02\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1d.adaserve.rpc.v1.FinishReason\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.adaserve.rpc.v1.Usage\x12\x13\n\x0b\x62\x65st_effort\x18\x07 \x01(\x08\x12\x13\n\x0btpot_slo_ms\x18\x08 \x01(\x01\x12\x14\n\x0cslo_floor_ms\x18\t \x01(\x01\x12\x1a\n\x12\x62\x65st_effort_reason\x18\n \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0b \x01(\x01\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t2\x8c\x02\n\x07Gateway\x12P\n\x08\x43omplete\x12 .adaserve.rpc.v1.CompleteRequest\x1a .adaserve.rpc.v1.CompletionChunk0\x01\x12X\n\x0c\x43hatComplete\x12$.adaserve.rpc.v1.ChatCompleteRequest\x1a .adaserve.rpc.v1.CompletionChunk0\x01\x12U\n\nListModels\x12\".adaserve.rpc.v1.ListModelsRequest\x1a#.adaserve.rpc.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61\x64\x61serve/rpc/v1/gateway.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1e\x61\x64\x61serve/rpc/v1/verifier.proto\"\xaa\x03\n\x0eRequestOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x13\n\x0btpot_slo_ms\x18\n \x01(\x01\x12\x11\n\tslo_class\x18\x0b \x01(\t\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x11\n\ttimeout_s\x18\x0e \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x0f \x01(\x01\x12>\n\x12speculation_method\x18\x10 \x01(\x0e\x32\".adaserve.rpc.v1.SpeculationMethodB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x01\n\x0f\x43ompleteRequest\x12\x30\n\x07options\x18\x01 \x01(\x0b\x32\x1f.adaserve.rpc.v1.RequestOptions\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.adaserve.rpc.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"w\n\x13\x43hatCompleteRequest\x12\x30\n\x07options\x18\x01 \x01(\x0b\x32\x1f.adaserve.rpc.v1.RequestOptions\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.adaserve.rpc.v1.ChatMessage\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x9b\x02\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1d.adaserve.rpc.v1.FinishReason\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.adaserve.rpc.v1.Usage\x12\x13\n\x0b\x62\x65st_effort\x18\x07 \x01(\x08\x12\x13\n\x0btpot_slo_ms\x18\x08 \x01(\x01\x12\x14\n\x0cslo_floor_ms\x18\t \x01(\x01\x12\x1a\n\x12\x62\x65st_effort_reason\x18\n \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0b \x01(\x01\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t2\x8c\x02\n\x07Gateway\x12P\n\x08\x43omplete\x12 .adaserve.rpc.v1.CompleteRequest\x1a .adaserve.rpc.v1.CompletionChunk0\x01\x12X\n\x0c\x43hatComplete\x12$.adaserve.rpc.v1.ChatCompleteRequest\x1a .adaserve.rpc.v1.CompletionChunk0\x01\x12U\n\nListModels\x12\".adaserve.rpc.v1.ListModelsRequest\x1a#.adaserve.rpc.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaserve.rpc.v1.gateway_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTOPTIONS']._serialized_start=83
-  _globals['_REQUESTOPTIONS']._serialized_end=445
-  _globals['_COMPLETEREQUEST']._serialized_start=448
-  _globals['_COMPLETEREQUEST']._serialized_end=589
-  _globals['_CHATCOMPLETEREQUEST']._serialized_start=591
-  _globals['_CHATCOMPLETEREQUEST']._serialized_end=710
-  _globals['_USAGE']._serialized_start=712
-  _globals['_USAGE']._serialized_end=791
-  _globals['_COMPLETIONCHUNK']._serialized_start=794
-  _globals['_COMPLETIONCHUNK']._serialized_end=1077
-  _globals['_LISTMODELSREQUEST']._serialized_start=1079
-  _globals['_LISTMODELSREQUEST']._serialized_end=1098
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1100
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1136
-  _globals['_GATEWAY']._serialized_start=1139
-  _globals['_GATEWAY']._serialized_end=1407
+  _globals['_REQUESTOPTIONS']._serialized_end=509
+  _globals['_COMPLETEREQUEST']._serialized_start=512
+  _globals['_COMPLETEREQUEST']._serialized_end=653
+  _globals['_CHATCOMPLETEREQUEST']._serialized_start=655
+  _globals['_CHATCOMPLETEREQUEST']._serialized_end=774
+  _globals['_USAGE']._serialized_start=776
+  _globals['_USAGE']._serialized_end=855
+  _globals['_COMPLETIONCHUNK']._serialized_start=858
+  _globals['_COMPLETIONCHUNK']._serialized_end=1141
+  _globals['_LISTMODELSREQUEST']._serialized_start=1143
+  _globals['_LISTMODELSREQUEST']._serialized_end=1162
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1164
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1200
+  _globals['_GATEWAY']._serialized_start=1203
+  _globals['_GATEWAY']._serialized_end=1471
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestOptions(_message.Message):
-    __slots__ = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "tpot_slo_ms", "slo_class", "priority", "request_id", "timeout_s", "ttft_slo_ms")
+    __slots__ = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "tpot_slo_ms", "slo_class", "priority", "request_id", "timeout_s", "ttft_slo_ms", "speculation_method")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class RequestOptions(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_tokens: int
     temperature: float
@@ -39,7 +40,8 @@ class RequestOptions(_message.Message):
     request_id: str
     timeout_s: float
     ttft_slo_ms: float
-    def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
+    speculation_method: _verifier_pb2.SpeculationMethod
+    def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., tpot_slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., speculation_method: _Optional[_Union[_verifier_pb2.SpeculationMethod, str]] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("options", "text", "token_ids")

@@ -54,6 +54,16 @@ class VerifierStub:
                 request_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.VerifierStatsRequest.SerializeToString,
                 response_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.VerifierStatsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/adaserve.rpc.v1.Verifier/Tokenize',
+                request_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/adaserve.rpc.v1.Verifier/Detokenize',
+                request_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_stream(
                 '/adaserve.rpc.v1.Verifier/Load',
                 request_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
@@ -99,6 +109,22 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenizes text or chat messages (the chat template applied) as Generate would.
+        INVALID_ARGUMENT: no tokenizer, no chat template, no prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids (special tokens kept, so Tokenize round-trips).
+        INVALID_ARGUMENT: ids outside the vocabulary, no tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """This unit's load, for SLO-aware routing: one report at once, then one every
         interval, and another at once when the unit starts draining. Runs until the caller
@@ -131,6 +157,16 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.VerifierStatsRequest.FromString,
                     response_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.VerifierStatsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.TokenizeRequest.FromString,
+                    response_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeRequest.FromString,
+                    response_serializer=adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeResponse.SerializeToString,
             ),
             'Load': grpc.unary_stream_rpc_method_handler(
                     servicer.Load,
@@ -246,6 +282,60 @@ class Verifier:
             '/adaserve.rpc.v1.Verifier/Stats',
             adaserve_dot_rpc_dot_v1_dot_verifier__pb2.VerifierStatsRequest.SerializeToString,
             adaserve_dot_rpc_dot_v1_dot_verifier__pb2.VerifierStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaserve.rpc.v1.Verifier/Tokenize',
+            adaserve_dot_rpc_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+            adaserve_dot_rpc_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaserve.rpc.v1.Verifier/Detokenize',
+            adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeRequest.SerializeToString,
+            adaserve_dot_rpc_dot_v1_dot_verifier__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
