@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import (
@@ -246,6 +246,10 @@ class ServiceAddresses(BaseModel):
     verifier_dns: str | None = None  # headless Service name; resolved to unit addresses
 
 
+AttentionBackendName = Literal["auto", "reference", "triton", "flashinfer"]
+ATTENTION_BACKEND_CHOICES: tuple[str, ...] = get_args(AttentionBackendName)  # for CLI flags
+
+
 class ModelSettings(BaseModel):
     target: str = "embedded"
     drafter: str | None = "embedded"  # None -> no speculation
@@ -264,6 +268,13 @@ class ModelSettings(BaseModel):
     # with it. "mkl": always MKL and torch's own ops (adaserve/model/cpu_gemm.py,
     # cpu_ops.py).
     cpu_kernel: Literal["auto", "mkl"] = "auto"
+    # Tree attention for target and drafter (adaserve/model/attention.py). "auto":
+    # FlashInfer where it imports on a CUDA device, else Triton on CUDA, else the
+    # reference (on a CPU the packed kernel's attention where it builds). "triton" or
+    # "flashinfer" where it cannot run (no CUDA device, package missing) fails at
+    # startup. The backend in use is logged and exported as
+    # adaserve_attention_backend{role, backend}.
+    attention_backend: AttentionBackendName = "auto"
 
 
 class GatewaySettings(BaseModel):

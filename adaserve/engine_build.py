@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from adaserve import metrics
 from adaserve.config import SchedulerSettings, Settings
 from adaserve.engine import Engine
 from adaserve.ngram import NgramDrafter, NgramParams
@@ -49,7 +50,9 @@ def build_engine(
         max_model_len=settings.engine.max_model_len,
         cpu_kernel=ms.cpu_kernel,
         prefix_caching=settings.engine.prefix_caching,
+        attention_backend=ms.attention_backend,
     )
+    report_backend("target", runner)
     tokenizer = load_tokenizer(target_dir)
     if settings.slo.baseline_tpot_ms == "auto":
         from adaserve.config import LatencyCurve
@@ -125,8 +128,19 @@ def build_drafter(
         quantization=ms.drafter_quantization,
         cpu_kernel=ms.cpu_kernel,
         prefix_caching=settings.engine.prefix_caching,
+        attention_backend=ms.attention_backend,
     )
+    report_backend("drafter", runner)
     return BeamDrafter(runner)
+
+
+def report_backend(role: str, runner) -> str:
+    """Log the attention backend `runner` runs and export it as
+    adaserve_attention_backend{role, backend} = 1; returns its name."""
+    name = runner.backend.name
+    log.info("%s attention backend: %s", role, name)
+    metrics.attention_backend.labels(role=role, backend=name).set(1)
+    return name
 
 
 def build_scheduler(

@@ -52,6 +52,12 @@ prefix_cache_hits = Counter(
     "adaserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not recomputed)"
 )
 
+attention_backend = Gauge(
+    "adaserve_attention_backend",
+    "1 for the attention backend each model of this process runs (model.attention_backend)",
+    ["role", "backend"],
+)
+
 iterations_total = Counter("adaserve_iterations_total", "Decode iterations")
 prefill_tokens_total = Counter(
     "adaserve_prefill_tokens_total",

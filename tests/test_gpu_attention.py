@@ -40,7 +40,7 @@ def test_backend_matches_reference(backend, dtype, heads, kv_heads, head_dim, sh
     q, kv_new = random_qkv(sum(batch.query_lens), heads, kv_heads, head_dim, dtype, dev)
     ref = ReferenceBackend(heads, kv_heads, head_dim, dev)
     want = ref.attend(0, q, kv_new, storage, ref.plan(batch))
-    be = make_backend(backend, heads, kv_heads, head_dim, dev)
+    be = make_backend(backend, heads, kv_heads, head_dim, dev, block_size=16, dtype=dtype)
     got = be.attend(0, q, kv_new, storage, be.plan(batch))
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < (2e-3 if dtype == torch.float32 else 1e-2)

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 
-from adaserve.config import load_settings
+from adaserve.config import ATTENTION_BACKEND_CHOICES, load_settings
 from adaserve.request import GenerationRequest, SamplingParams
 
 
@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculation", action="store_true", help="plain decoding, same runtime")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKEND_CHOICES,
+        help="model.attention_backend (default: settings, else auto)",
+    )
     p.add_argument("--config", default=None, help="settings YAML")
     p.add_argument("--json", action="store_true", help="print a JSON result")
 
@@ -55,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         "engine": {"speculation": not args.no_speculation},
         "scheduler": {},
     }
+    if args.attention_backend:
+        overrides["model"]["attention_backend"] = args.attention_backend
     if args.budget is not None:
         overrides["scheduler"]["budget"] = args.budget
     if args.depth is not None or args.width is not None:

@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adaserve.config import ATTENTION_BACKEND_CHOICES
+
 STOP_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 30.0
 DEFAULT_METRICS_PORT = 9400  # services/verifier/__main__.py's default, for unit 0
@@ -64,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter", default="embedded", help="drafter model (PATH, embedded, or none)"
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per unit")
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKEND_CHOICES,
+        help="model.attention_backend of every verifier and drafter (default: settings)",
+    )
     parser.add_argument(
         "--verifier-units",
         type=int,
@@ -205,6 +212,8 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     loop = "127.0.0.1"
     cfg = ["--config", args.config] if args.config else []
     cfg += ["--log-format", args.log_format]
+    # Model flags for the processes that load a model (verifiers, drafters).
+    model_flags = ["--attention-backend", args.attention_backend] if args.attention_backend else []
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     services: list[Service] = []
     verifiers: list[str] = []
@@ -230,7 +239,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         # port, fixed so that a scrape config survives a restart.
         m_port = metrics_ports(args)[len(verifiers)] if args.metrics_port else 0
         argv = ["verifier", "--host", loop, "--port", str(port), "--target", args.target]
-        argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *extra]
+        argv += ["--tp", str(args.tp), "--metrics-port", str(m_port), *model_flags, *extra]
         url = f"http://{loop}:{m_port}/metrics" if m_port else None
         # Beside a drafter process, start once it has loaded: the verifier times the
         # hardware at startup.
@@ -248,7 +257,11 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
                 d_port = free_port()
                 add(
                     f"drafter-{k}",
-                    ["drafter", "--host", loop, "--port", str(d_port), "--model", drafter],
+                    [
+                        "drafter",
+                        *("--host", loop, "--port", str(d_port), "--model", drafter),
+                        *model_flags,
+                    ],
                     d_port,
                 )
                 extra += ["--drafter-address", f"{loop}:{d_port}"]

@@ -11,6 +11,11 @@ replays, and the two users of it.
   eager form is how the padding is checked on CPU (`tests/test_speculate_cuda_graphs.py`).
 - `adaserve/distill/generate.py` runs its fixed-shape decode step through a
   `GraphRunner` with one key.
+- The verifier's shapes: `verify_capture_keys` (batch bucket x token bucket),
+  `pick_verify_bucket` (None for an iteration carrying a prompt chunk: eager) and
+  `pad_forward_batch` (dummy sequences on the pad slot). The served verifier does not
+  replay graphs yet: that needs fixed-shape attention metadata (as the Triton draft
+  steps have) and a GPU to check it on.
 
 A draft step after the first has a fixed shape per (n, w): n requests, w frontier
 tokens each, request-major. n varies every iteration, so graphs are captured for a few
@@ -23,13 +28,17 @@ invisible to the real rows. Everything except capture/replay is device-independe
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
+from adaserve.model.attention import AttentionBatch
 from adaserve.model.attention_triton import TritonBackend, TritonMetadata, pick_block_m
+from adaserve.model.runner import ForwardBatch
 
 DEFAULT_N_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -203,6 +212,116 @@ def _fits(static: Mapping[str, torch.Tensor], inputs, n: int, width: int, bucket
     return True
 
 
+# ---- padded rows' KV slot ------------------------------------------------------------------
+
+PAD_SEQ = "__cuda_graph_pad__"
+
+
+def reserve_pad_slot(cache: Any) -> int:
+    """The KV slot every padded row writes to and reads: the first slot of a cache
+    sequence no request uses, at offset 0 of its block (so paged backends can name it
+    by block). No real row's attention ever reads it."""
+    if PAD_SEQ not in cache.seqs:
+        cache.add(PAD_SEQ)
+        cache.reserve({PAD_SEQ: 1})
+    slot = int(cache.get(PAD_SEQ).slots(0, 1, cache.block_size)[0])
+    assert slot % cache.block_size == 0
+    return slot
+
+
+# ---- the verifier: graphs for tree iterations, eager for prefill ---------------------------
+#
+# vLLM's FULL / PIECEWISE split, in our terms: an iteration whose every sequence sends a
+# token tree (decode-shaped: few tokens per sequence, short attention rows) is padded
+# to a (batch bucket, token bucket) and can replay a graph captured for that shape; an
+# iteration carrying a prompt chunk (long, dense attention, few of them) runs eagerly,
+# where launch overhead is small next to its work. Padding appends dummy sequences:
+# each has at least one token, writes and reads only the pad slot, and comes after every
+# real sequence, so the real rows' packed order, logits and KV are those of the
+# unpadded forward. Everything here is host-side and device-free (tested on CPU by
+# running the padded batch eagerly: tests/test_verify_graph_buckets.py).
+
+DEFAULT_VERIFY_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_VERIFY_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True, order=True)
+class VerifyBucket:
+    """One captured verifier shape."""
+
+    tokens: int  # packed tokens per forward, real and dummy (first: order sorts by it)
+    batch: int  # sequences per forward, real and dummy
+
+
+def verify_capture_keys(
+    batch_buckets: Sequence[int] = DEFAULT_VERIFY_BATCH_BUCKETS,
+    token_buckets: Sequence[int] = DEFAULT_VERIFY_TOKEN_BUCKETS,
+    max_batch_tokens: int | None = None,
+) -> list[VerifyBucket]:
+    """Every shape to capture, largest first (one memory pool: the smaller graphs reuse
+    the largest one's blocks). A shape needs at least one token per sequence; shapes
+    above `max_batch_tokens` (engine.max_batch_tokens) never occur."""
+    keys = [
+        VerifyBucket(tokens=t, batch=b)
+        for b in batch_buckets
+        for t in token_buckets
+        if t >= b and (max_batch_tokens is None or t <= max_batch_tokens)
+    ]
+    return sorted(keys, reverse=True)
+
+
+def pick_verify_bucket(
+    query_lens: Sequence[int],
+    prefill: Sequence[bool],
+    batch_buckets: Sequence[int] = DEFAULT_VERIFY_BATCH_BUCKETS,
+    token_buckets: Sequence[int] = DEFAULT_VERIFY_TOKEN_BUCKETS,
+) -> VerifyBucket | None:
+    """The smallest captured shape this forward pads to, or None: run it eagerly (a
+    prompt chunk rides in it, or it is larger than every bucket)."""
+    if any(prefill):
+        return None  # PIECEWISE in vLLM's terms: prefill iterations run eagerly
+    n, t = len(query_lens), int(sum(query_lens))
+    for nb in batch_buckets:
+        if nb < n:
+            continue
+        tb = pick_bucket(t + (nb - n), token_buckets)  # each dummy holds >= 1 token
+        if tb is None:
+            return None
+        if tb == t or nb > n:  # padding tokens need a dummy sequence to hold them
+            return VerifyBucket(tokens=tb, batch=nb)
+    return None
+
+
+def pad_forward_batch(fb: ForwardBatch, bucket: VerifyBucket, pad_slot: int, block_size: int):
+    """`fb` with dummy sequences appended up to `bucket` (see above). Real rows keep
+    their packed indices; `logits_rows` None (all rows) then covers the dummies too,
+    so the caller keeps the first T rows."""
+    a = fb.attention
+    n, t = len(a.query_lens), len(fb.ids)
+    dummies, extra = bucket.batch - n, bucket.tokens - t
+    if dummies < 0 or extra < dummies or (extra and not dummies):
+        raise ValueError(f"pad_forward_batch: {n} sequences / {t} tokens do not fit {bucket}")
+    if not dummies:
+        return fb
+    lens = [1] * (dummies - 1) + [extra - (dummies - 1)]
+    one = np.array([pad_slot], dtype=np.int64)
+    attention = AttentionBatch(
+        query_lens=[*a.query_lens, *lens],
+        slot_mapping=np.concatenate([a.slot_mapping, np.full(extra, pad_slot, np.int64)]),
+        kv_slots=[*a.kv_slots, *([one] * dummies)],
+        visible=[*a.visible, *(np.ones((k, 1), dtype=bool) for k in lens)],
+        block_tables=[*a.block_tables, *([[pad_slot // block_size]] * dummies)],
+        prefill=[*(a.prefill or [False] * n), *([False] * dummies)],
+    )
+    zeros = np.zeros(extra, dtype=np.int64)
+    return dataclasses.replace(
+        fb,
+        attention=attention,
+        ids=np.concatenate([fb.ids, zeros]),
+        positions=np.concatenate([fb.positions, zeros]),
+    )
+
+
 # ---- the drafter's beam steps on the Triton backend ------------------------------------
 #
 # A beam step after the first forwards n*w frontier tokens, w per request. Its launch
@@ -220,7 +339,6 @@ def _fits(static: Mapping[str, torch.Tensor], inputs, n: int, width: int, bucket
 # context, and KV writes into a slot reserved for them (a cache sequence no one else
 # uses), so their rows never touch a real request's KV.
 
-PAD_SEQ = "__cuda_graph_pad__"
 DEFAULT_DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -260,11 +378,7 @@ class GraphedDraftModel:
         self.group = runner.backend.group
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._graphs: GraphRunner[tuple[int, int], torch.Tensor] = GraphRunner()
-        cache = runner.cache
-        if PAD_SEQ not in cache.seqs:
-            cache.add(PAD_SEQ)
-            cache.reserve({PAD_SEQ: 1})
-        self.pad_slot = int(cache.get(PAD_SEQ).slots(0, 1, cache.block_size)[0])
+        self.pad_slot = reserve_pad_slot(runner.cache)
         self.replays = 0
         self.eager_calls = 0
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from adaserve.model import draft_assets
-from adaserve.model.attention import make_backend
+from adaserve.model.attention import make_backend, resolve_backend
 from adaserve.model.config import ModelConfig, UnsupportedModelError
 from adaserve.model.embedded import ModelNotFoundError, converted_dir, embedded_gguf
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
@@ -131,6 +131,8 @@ def load_runner(
     CPU model's linear layers on the packed kernel where it builds, and its RMSNorms
     and small-batch attention on the ops built with it, "mkl" on MKL and torch
     (adaserve/model/cpu_gemm.py, cpu_ops.py)."""
+    # Before anything loads or converts: a backend that cannot run here fails at once.
+    resolve_backend(attention_backend, resolve_device(device))
     path = resolve_model(spec, role)
     kwargs: dict[str, Any] = dict(
         kv_block_size=kv_block_size,
@@ -210,7 +212,23 @@ def build_runner(
     )
     cache = PagedKVCache(storage, kv_blocks, kv_block_size, prefix_caching)
     if backend is None:
-        backend = make_backend(attention_backend, heads, kv_heads, cfg.head_dim, device)
+        backend = make_backend(
+            attention_backend,
+            heads,
+            kv_heads,
+            cfg.head_dim,
+            device,
+            block_size=kv_block_size,
+            dtype=dtype,
+        )
+    log.info(
+        "%s: attention backend %s (model.attention_backend: %s, %s %s)",
+        path.name,
+        backend.name,
+        attention_backend,
+        device,
+        str(dtype).removeprefix("torch."),
+    )
     runner = ModelRunner(model, cfg, cache, backend, device, dtype, max_len)
     runner.draft_to_target = None if d2t is None else d2t.to(device)
     return runner

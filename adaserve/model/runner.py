@@ -20,7 +20,7 @@ from adaserve.model.config import ModelConfig
 from adaserve.model.kv_cache import KVCacheFull, PagedKVCache
 from adaserve.model.llama import LlamaModel
 
-__all__ = ["KVCacheFull", "ModelRunner", "SeqInput"]
+__all__ = ["ForwardBatch", "KVCacheFull", "ModelRunner", "SeqInput"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,17 @@ class SeqInput:
             np.arange(-1, k - 1, dtype=np.int32),
             prefill,
         )
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One forward as the host built it (`ModelRunner.prepare`), before the device runs
+    it (`ModelRunner.execute`)."""
+
+    attention: AttentionBatch
+    ids: np.ndarray  # int64 [T]: token ids, packed in input order
+    positions: np.ndarray  # int64 [T]
+    logits_rows: np.ndarray | None  # int64 [R]: packed rows whose logits are wanted; None: all
 
 
 class ModelRunner:
@@ -141,20 +152,38 @@ class ModelRunner:
 
         Raises KVCacheFull (nothing changed) when the new nodes do not fit, and
         ValueError / KeyError on malformed input (nothing changed)."""
+        return self.execute(self.prepare(inputs, logits_indices, last_only=last_only))
+
+    def prepare(
+        self,
+        inputs: list[SeqInput],
+        logits_indices: Sequence[int] | None = None,
+        *,
+        last_only: bool = False,
+    ) -> ForwardBatch:
+        """The host half of `forward`: validate, take KV slots, append the new nodes to
+        the scratch and describe the forward. A CUDA-graph runner pads the result to
+        its bucket (adaserve/model/cuda_graphs.py) before `execute`."""
         self._validate(inputs, logits_indices)
         self.cache.reserve({x.seq_id: len(x.tokens) for x in inputs})
         batch, positions = self._append(inputs)
-        meta = self.backend.plan(batch)  # once per forward, read by every layer
-        dev = self.device
         ids = np.concatenate([np.asarray(x.tokens, dtype=np.int64) for x in inputs])
         rows = None
         if last_only:
-            rows = torch.from_numpy(np.cumsum(batch.query_lens) - 1).to(dev)
+            rows = np.cumsum(np.asarray(batch.query_lens, dtype=np.int64)) - 1
         elif logits_indices is not None:
-            rows = torch.as_tensor(np.asarray(logits_indices, dtype=np.int64), device=dev)
+            rows = np.asarray(logits_indices, dtype=np.int64)
+        return ForwardBatch(batch, ids, positions, rows)
+
+    @torch.inference_mode()
+    def execute(self, fb: ForwardBatch) -> torch.Tensor:
+        """The device half of `forward`: plan the attention once, run every layer."""
+        meta = self.backend.plan(fb.attention)  # once per forward, read by every layer
+        dev = self.device
+        rows = None if fb.logits_rows is None else torch.from_numpy(fb.logits_rows).to(dev)
         logits = self.model(
-            torch.from_numpy(ids).to(dev),
-            torch.from_numpy(positions).to(dev),
+            torch.from_numpy(fb.ids).to(dev),
+            torch.from_numpy(fb.positions).to(dev),
             self.backend,
             self.cache.storage,
             meta,

@@ -111,6 +111,7 @@ class TPRunner:
         self.dtype = local.dtype
         self.max_model_len = local.max_model_len
         self.cache = local.cache  # read-only view for capacity checks
+        self.backend = local.backend  # every rank runs the same attention backend
         self.draft_to_target = local.draft_to_target
 
     @staticmethod

@@ -37,6 +37,7 @@ from run_all import divergence_gap, engine_generate, sync, table  # noqa: E402
 
 from adaserve.demo_prompts import BY_CLASS  # noqa: E402
 from adaserve.engine_build import eos_token_ids  # noqa: E402
+from adaserve.model.attention import resolve_backend  # noqa: E402
 from adaserve.model.loader import load_runner, load_tokenizer, resolve_model  # noqa: E402
 from adaserve.model.runner import ModelRunner  # noqa: E402
 
@@ -146,6 +147,10 @@ def measure_dtype(
         attention_backend=backend,
     )
     target = load_runner(target_dir, **common)
+    # The graphed draft steps need the Triton kernel, whichever backend the target runs.
+    graphs = dev.type == "cuda" and backend != "reference" and not args.no_graphs
+    if graphs:
+        common["attention_backend"] = "triton"
     with tempfile.TemporaryDirectory() as keep:
         drafter = load_runner(
             drafter_for(target_dir, args.drafter, Path(keep)), role="drafter", **common
@@ -155,7 +160,7 @@ def measure_dtype(
     if getattr(drafter, "draft_to_target", None) is not None:
         drafter.draft_to_target = drafter.draft_to_target.cpu()
     graphed = None
-    if dev.type == "cuda" and backend == "triton" and not args.no_graphs:
+    if graphs:
         from adaserve.model.cuda_graphs import install_draft_graphs
 
         # steps 2..d are the drafter's launch-bound part: the server's GPU path replays them
@@ -177,11 +182,18 @@ def measure_dtype(
     engine_generate(target, drafter, prompts[:2], 8, budget=args.budget, adaptive=adaptive)
     engine_generate(target, None, prompts[:2], 8, budget=args.budget)
     sync()
+    hf = None
+    if not args.no_hf:  # the same target in transformers, for the same table
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(target_dir), torch_dtype=dtype).to(dev)
+        hf.eval()
     rows = record.setdefault("rows", [])
     for n in args.concurrency:
         batch = prompts[:n]
         plain = timed(target, None, batch, args, eos, None)
         spec = timed(target, drafter, batch, args, eos, adaptive)
+        hf_tps = None if hf is None else hf_tokens_per_s(hf, batch, args.max_tokens, eos, dev)
         same = sum(a == b for a, b in zip(spec["outputs"], plain["outputs"], strict=True))
         c = spec["counters"]
         drafts = max(c["drafts"], 1.0)
@@ -191,6 +203,7 @@ def measure_dtype(
             "plain_tokens_per_s": round(plain["tokens_per_s"], 1),
             "spec_tokens_per_s": round(spec["tokens_per_s"], 1),
             "speedup": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3),
+            "hf_tokens_per_s": None if hf_tps is None else round(hf_tps, 1),
             "identical": f"{same}/{n}",
             "reps_agree": plain["reps_agree"] and spec["reps_agree"],
             "first_divergence_logit_gap": divergence_gap(
@@ -220,10 +233,34 @@ def measure_dtype(
             "replays": graphed.replays,
             "eager_calls": graphed.eager_calls,
         }
-    del target, drafter, graphed
+    del target, drafter, graphed, hf
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def hf_tokens_per_s(
+    hf: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...], dev: torch.device
+) -> float:
+    """Hugging Face `generate`, greedy, the same prompts as one left-padded batch:
+    new tokens (up to each row's first EOS) per second, after a short warm-up."""
+    width = max(len(p) for p in prompts)
+    pad = eos[0] if eos else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    kw: dict[str, Any] = dict(attention_mask=mask, do_sample=False, pad_token_id=pad)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=2, **kw)  # warm
+        sync()
+        t = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=max_tokens, eos_token_id=list(eos) or None, **kw)
+        sync()
+    wall = time.perf_counter() - t
+    tokens = 0
+    for row in out[:, width:].tolist():
+        ends = [i for i, x in enumerate(row) if x in eos]
+        tokens += ends[0] + 1 if ends else len(row)
+    return tokens / wall
 
 
 def render(record: dict[str, Any]) -> str:
@@ -244,6 +281,7 @@ def render(record: dict[str, Any]) -> str:
             "plain tok/s",
             "spec tok/s",
             "spec/plain",
+            "HF generate tok/s",
             "spec == plain",
             "accepted / verify",
             "tokens / verify",
@@ -257,6 +295,7 @@ def render(record: dict[str, Any]) -> str:
                 r["plain_tokens_per_s"],
                 r["spec_tokens_per_s"],
                 f"{r['speedup']:.2f}x",
+                r.get("hf_tokens_per_s"),
                 r["identical"],
                 r["mean_accepted_per_verify"],
                 r["mean_emitted_per_verify"],
@@ -300,8 +339,13 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--kv-memory-gb", type=float, default=1.0)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--backend", default=None, help="attention backend (default: triton on CUDA)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="attention backend: auto | reference | triton | flashinfer",
+    )
     p.add_argument("--no-graphs", action="store_true", help="run draft steps eagerly")
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     p.add_argument("--smoke", action="store_true", help="tiny run (CPU ok)")
     args = p.parse_args()
     if args.smoke:
@@ -311,7 +355,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    backend = args.backend or ("triton" if cuda else "reference")
+    backend = resolve_backend(args.backend, dev)  # auto -> the one it picks here
     # fp32 is the exactness reference: no TF32 in the dense matmuls
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -329,7 +373,7 @@ def main() -> int:
             "torch": torch.__version__,
             "triton": triton_version,
             "backend": backend,
-            "graphs": cuda and backend == "triton" and not args.no_graphs,
+            "graphs": cuda and backend != "reference" and not args.no_graphs,
             "budget": args.budget,
             "policy": args.policy,
             "d_max": args.d_max,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from adaserve.config import ATTENTION_BACKEND_CHOICES
 from services.common import logs
 
 
@@ -18,6 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: settings)")
     parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: settings)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKEND_CHOICES,
+        help="model.attention_backend (default: settings)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus endpoint (http://HOST:PORT/metrics: the attention backend); 0: none",
+    )
     parser.add_argument("--config", default=None, help="YAML settings file")
     logs.add_arguments(parser)
 
@@ -29,11 +41,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # before the model loads: a clash is reported at once
         check_free(args.host, args.port, "--port N")
+        if args.metrics_port > 0:
+            check_free(args.host, args.metrics_port, "--metrics-port N (0: none)")
     except PortInUse as exc:
         print(f"adaserve drafter: {exc}", file=sys.stderr)
         return 2
     # Imported here so `adaserve drafter --help` never pays for torch.
     from adaserve.config import load_settings
+    from adaserve.engine_build import report_backend
     from adaserve.model.loader import load_runner
     from adaserve.speculate import BeamDrafter
     from adaserve.torch_thread import torch_thread
@@ -41,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from services.common.server import run_until_signal
     from services.drafter.server import build_server
 
-    settings = load_settings(args.config)
-    try:
+    try:  # a bad settings file or ADASERVE_* value is the user's to fix: no traceback
+        settings = load_settings(args.config)
         tls.configure(settings.tls)
     except (OSError, ValueError) as exc:
         print(f"adaserve drafter: {exc}", file=sys.stderr)
@@ -70,12 +85,18 @@ def run(args: argparse.Namespace) -> int:
             quantization=ms.drafter_quantization,
             cpu_kernel=ms.cpu_kernel,
             prefix_caching=settings.engine.prefix_caching,
+            attention_backend=args.attention_backend or ms.attention_backend,
         ).result()
+        report_backend("drafter", runner)
         drafter = worker.submit(BeamDrafter, runner).result()
     except (OSError, ValueError) as exc:  # missing or unsupported model: say so, no traceback
         print(f"adaserve drafter: {exc}", file=sys.stderr)
         worker.shutdown(wait=False)
         return 2
+    if args.metrics_port > 0:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.host)
     drain_s = settings.fleet.drain_timeout_s
     return run_until_signal(
         lambda: build_server(drafter, args.host, args.port, worker=worker, drain_timeout_s=drain_s)

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any
 
-from adaserve.config import Settings, load_settings
+from adaserve.config import ATTENTION_BACKEND_CHOICES, Settings, load_settings
 from services.common import logs
 
 # The engine's Prometheus port. Fixed, so a scrape config can name it; `adaserve up`
@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler-address", metavar="H:P", help="scheduler service")
     parser.add_argument("--tp", type=int, help="tensor-parallel degree (ranks started here)")
     parser.add_argument("--served-model-name", help="the `model` clients send")
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKEND_CHOICES,
+        help="model.attention_backend for target and in-process drafter (default: settings)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -58,6 +63,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         model["tp"] = args.tp
     if args.served_model_name:
         model["served_name"] = args.served_model_name
+    if args.attention_backend:
+        model["attention_backend"] = args.attention_backend
     services: dict[str, Any] = {}
     if args.drafter_address:
         services["drafter"] = args.drafter_address
