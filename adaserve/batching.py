@@ -23,7 +23,7 @@ The stretch is not capped by the TPOT SLOs. A TPOT SLO is an average over the wh
 output, and the prefill work is the same whether it runs now or later: deferring it to
 keep this iteration within every request's slack only delays it into the same
 requests' later iterations, while the prompts wait and miss their TTFT. Capping it did
-exactly that in the simulator (benchmarks/BENCHMARKS.md, unified iteration).
+exactly that in the simulator (BENCHMARKS.md, "Unified iteration").
 
 The token counts come from the forward's latency model (`adaserve/latency.py`), not a
 fixed chunk size. While prompts wait, each iteration prefills at least
