@@ -521,7 +521,7 @@ class Engine:
         step = self._form_step()
         trees = self._speculate(step)
         t1 = self.clock()
-        selected = self._select(step, trees)
+        selected = self._fit_context(step.decoding, self._select(step, trees))
         selected, masks = self._constrain(step.decoding, selected)
         step, selected = self._fit_kv(step, selected)
         t2 = self.clock()
@@ -840,6 +840,21 @@ class Engine:
         if selection.invalid:
             selection = self._optimal_invalid(progress, trees, params)
         return [t.subtree(idx) for t, idx in zip(trees, selection.selected, strict=True)]
+
+    def _fit_context(
+        self, decoding: list[_Request], trees: list[CandidateTree]
+    ) -> list[CandidateTree]:
+        """Each tree cut to the context window: its node at depth d would sit at position
+        len(tokens) - 1 + d (an n-gram tree of a request near the end outgrows it)."""
+        out = []
+        for r, tree in zip(decoding, trees, strict=True):
+            room = self.max_model_len - len(r.tokens)
+            if len(tree) > 1:
+                depths = tree.depths()
+                if int(depths.max()) > room:
+                    tree = tree.subtree(np.nonzero(depths <= room)[0])
+            out.append(tree)
+        return out
 
     def _constrain(
         self, decoding: list[_Request], trees: list[CandidateTree]

@@ -39,7 +39,7 @@ def target_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("methods-target"), "llama", seed=0)
 
 
-def make_engine(target_dir, drafter_dir=None, ngram=True, **overrides) -> Engine:
+def make_engine(target_dir, drafter_dir=None, ngram=True, max_model_len=None, **overrides):
     settings = load_settings(
         None,
         engine={"kv_blocks": 512, "kv_block_size": 16, **overrides.pop("engine", {})},
@@ -52,7 +52,10 @@ def make_engine(target_dir, drafter_dir=None, ngram=True, **overrides) -> Engine
         drafter = BeamDrafter(load_runner(drafter_dir, device="cpu", dtype="float32", **kv))
     return Engine(
         target=RunnerTarget(
-            load_runner(target_dir, device="cpu", dtype="float32", **kv), eos_token_ids=()
+            load_runner(
+                target_dir, device="cpu", dtype="float32", max_model_len=max_model_len, **kv
+            ),
+            eos_token_ids=(),
         ),
         drafter=drafter,
         scheduler=LocalScheduler(settings.scheduler),
@@ -303,3 +306,24 @@ def test_per_method_metrics_count_steps_and_tokens(target_dir):
         # the first token comes from the prompt's prefill, not from a verification
         assert steps == sources[f"r{i}"][m] and emitted == 29
     assert metrics.spec_method_tokens_per_step.labels("none")._value.get() == pytest.approx(1.0)
+
+
+def test_ngram_trees_near_the_end_of_the_context_are_cut_to_it(target_dir):
+    """No drafter, the n-gram drafter on (the default): a repetitive prompt drafts deep
+    trees; near max_model_len they are cut to the window instead of failing the forward
+    (the schema fuzzer found this), and the output is plain decoding's to the end."""
+    runs, drafted = {}, {}
+    for method in ("ngram", "none"):
+        engine = make_engine(target_dir, max_model_len=48)
+        r = GenerationRequest(
+            id="r0",
+            prompt_token_ids=tuple(_prompts(1)[0]),  # 24 tokens
+            sampling=SamplingParams(max_tokens=48 - 24, ignore_eos=True),  # the whole window
+            tpot_slo_ms=1e6,
+            speculation=method,
+        )
+        runs[method], sources = run(engine, [r])
+        drafted[method] = sources["r0"]["ngram"]
+    assert drafted["ngram"] > 0 and drafted["none"] == 0
+    assert runs["ngram"]["r0"] == runs["none"]["r0"]
+    assert len(runs["ngram"]["r0"]) == 48 - 24 - 1  # the engine keeps the last position
