@@ -109,7 +109,24 @@ class GrammarBackend:
         )
         if is_error:
             raise ValueError(f"{so.field}: invalid {so.kind}: {messages[0] if messages else ''}")
+        if not self._startable(grammar):
+            raise ValueError(f"{so.field}: no output of this model can match it")
         return grammar
+
+    def _startable(self, grammar: str) -> bool:
+        """Whether this vocabulary can begin an output of `grammar`. A grammar of
+        characters the tokenizer cannot spell may still show a token in its first mask
+        that llguidance then refuses to consume (the schema fuzzer found one), so the
+        first allowed token is tried (on a throwaway matcher: a refused token leaves it in
+        error). An end-of-text allowed at once counts as a start."""
+        import llguidance
+
+        probe = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        mask = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
+        allowed = np.nonzero(np.unpackbits(mask, bitorder="little"))[0]
+        if any(int(t) in self.eos_token_ids for t in allowed):
+            return True
+        return bool(allowed.size) and bool(probe.consume_token(int(allowed[0])))
 
     def constraint(self, so: StructuredOutput, stop_ids: Sequence[int]) -> Constraint:
         import llguidance

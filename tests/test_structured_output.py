@@ -221,3 +221,13 @@ def test_bad_grammars_are_refused_naming_the_field(tokenizer) -> None:
     for so in cases:
         with pytest.raises(ValueError, match=so.field):
             backend.compile(so)
+
+
+def test_a_grammar_no_token_can_start_is_refused_at_submit(tokenizer) -> None:
+    """A pattern of characters the tokenizer cannot spell (found by the schema fuzzer: a
+    plane-8 character) allows no first token: a ValueError naming the field, not a
+    token drawn from an empty mask that the grammar then refuses."""
+    backend = GrammarBackend(tokenizer, VOCAB, (IM_END,))
+    with pytest.raises(ValueError, match="guided_regex: no output"):
+        backend.compile(StructuredOutput("regex", "\U0008f6a8\u00acY", field="guided_regex"))
+    assert backend.constraint(StructuredOutput("regex", "[a-z]+", field="guided_regex"), ())
