@@ -121,7 +121,10 @@ def test_padding_to_the_bucket_keeps_the_real_rows(tiny_llama_dir, backend, size
     # the rounding of a GEMM over more rows).
     keep = torch.ones(storage.shape[1], dtype=torch.bool)
     keep[pad_slot] = False
-    torch.testing.assert_close(storage[:, keep], kv_unpadded[:, keep], atol=2e-5, rtol=1e-5)
+    # equal_nan: slots no sequence ever wrote hold whatever torch.empty left there.
+    torch.testing.assert_close(
+        storage[:, keep], kv_unpadded[:, keep], atol=2e-5, rtol=1e-5, equal_nan=True
+    )
     assert not torch.equal(storage[:, pad_slot], kv_unpadded[:, pad_slot])
 
 
