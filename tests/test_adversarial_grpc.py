@@ -238,11 +238,11 @@ class GoodTraffic:
             rid = f"good-{k}-{n}"
             self.live_ids.add(rid)
             try:
-                chunks = list(
-                    self.stub.Generate(
-                        greedy_request(rid, GOOD_PROMPTS[i], GOOD_TOKENS), timeout=60
-                    )
-                )
+                # The draft model every time: `auto` may serve a request from the n-gram
+                # drafter alone, and a hostile drafter nobody asks is never noticed.
+                model = vpb.SPECULATION_METHOD_MODEL
+                req = greedy_request(rid, GOOD_PROMPTS[i], GOOD_TOKENS, speculation_method=model)
+                chunks = list(self.stub.Generate(req, timeout=60))
                 tokens = [t for c in chunks for t in c.token_ids]
                 if (
                     tokens != self.unit.refs[i]
