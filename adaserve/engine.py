@@ -519,9 +519,10 @@ class Engine:
             return
         t0 = self.clock()
         step = self._form_step()
-        trees = self._speculate(step)
+        # Cut before selection, so the budget goes to nodes the window can hold.
+        trees = self._fit_context(step.decoding, self._speculate(step))
         t1 = self.clock()
-        selected = self._fit_context(step.decoding, self._select(step, trees))
+        selected = self._select(step, trees)
         selected, masks = self._constrain(step.decoding, selected)
         step, selected = self._fit_kv(step, selected)
         t2 = self.clock()

@@ -39,7 +39,9 @@ def target_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("methods-target"), "llama", seed=0)
 
 
-def make_engine(target_dir, drafter_dir=None, ngram=True, max_model_len=None, **overrides):
+def make_engine(
+    target_dir, drafter_dir=None, ngram=True, max_model_len=None, **overrides
+) -> Engine:
     settings = load_settings(
         None,
         engine={"kv_blocks": 512, "kv_block_size": 16, **overrides.pop("engine", {})},
