@@ -9,6 +9,7 @@ come back, and the engine must go on serving.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -77,11 +78,14 @@ LENGTHS = [20, 24, 16]
 BAD = "r1"
 
 
-def _submit_three(engine: Engine) -> list:
+def _submit_three(engine: Engine, **bad_sampling) -> list:
     """r0 with a long prompt (its KV spans whole blocks: the prefix cache serves them
-    again after a re-sync), r1 the one that fails, r2 beside them."""
+    again after a re-sync), r1 the one that fails (with `bad_sampling`), r2 beside them."""
     prompts = [LONG[0], PROMPTS[1], PROMPTS[2]]
-    return [engine.submit(req(i, prompts[i], LENGTHS[i], 50.0)) for i in range(3)]
+    return [
+        engine.submit(req(i, prompts[i], LENGTHS[i], 50.0, **(bad_sampling if i == 1 else {})))
+        for i in range(3)
+    ]
 
 
 def _errors(phase: str) -> float:
@@ -120,10 +124,12 @@ def _error_message(engine: Engine, streams, monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("where", ["apply", "constrain", "stream"])
-def test_a_failure_in_one_requests_own_work_ends_it_alone(target_dir, monkeypatch, where):
+def test_a_failure_in_one_requests_own_work_ends_it_alone(target_dir, monkeypatch, caplog, where):
     """Its stop checks (`_apply`), its logits context (built in `_constrain`) or its
     stream raise once it has a few tokens: it ends with "error" in that iteration, the
-    others finish the target's own output, and no KV is left behind."""
+    others go on in the same iteration (no iteration fails) and finish the target's own
+    output, and no KV is left behind."""
+    caplog.set_level(logging.ERROR, logger="adaserve.engine")
     engine = make_engine(target_dir, target_dir)
     streams = _submit_three(engine)
     if where == "apply":
@@ -169,6 +175,9 @@ def test_a_failure_in_one_requests_own_work_ends_it_alone(target_dir, monkeypatc
             == hf_greedy(target_dir, PROMPTS[1], LENGTHS[1])[: len(res["tokens"]["r1"])]
         )
     assert _errors(phase) == before + 1
+    logged = [r.getMessage() for r in caplog.records]
+    assert not any("iteration failed" in m for m in logged)
+    assert sum(f"request {BAD} failed ({phase}" in m for m in logged) == 1  # logged once
     _check_survivors_and_serve_on(engine, target_dir, res)
 
 
@@ -204,6 +213,31 @@ def test_a_forward_that_fails_whenever_one_request_is_in_it_ends_that_request(
     assert _errors("batch") == before + 1
     # It failed in the whole batch, then in the half holding r1, then alone: ended.
     assert failed == [["r0", "r1", "r2"], ["r0", "r1"], [BAD]]
+    _check_survivors_and_serve_on(engine, target_dir, res)
+
+
+def test_a_logits_processor_raising_inside_the_real_forward_ends_its_request(
+    target_dir, monkeypatch
+):
+    """r1 asks for a presence penalty, and processing its rows (inside the target's
+    forward, after the model ran: the trees' KV sits in scratch) raises once it has a
+    few tokens. Nothing but that one call is patched: the bisection ends r1 alone."""
+    import adaserve.target
+
+    engine = make_engine(target_dir, target_dir)
+    process = adaserve.target.process_rows_
+
+    def failing_process(rows, parents, tokens, ctx):
+        if ctx.sampling.presence_penalty and len(ctx.output) >= 3:
+            raise ValueError("penalty state out of range")
+        return process(rows, parents, tokens, ctx)
+
+    monkeypatch.setattr(adaserve.target, "process_rows_", failing_process)
+    before = _errors("batch")
+    res = _error_message(engine, _submit_three(engine, presence_penalty=0.5), monkeypatch)
+    assert res["errors"]["r1"] == "internal error in this request (batch: ValueError)"
+    assert len(res["tokens"]["r1"]) >= 3
+    assert _errors("batch") == before + 1
     _check_survivors_and_serve_on(engine, target_dir, res)
 
 
@@ -264,7 +298,8 @@ def test_over_grpc_the_failing_requests_stream_ends_with_an_error_frame(target_d
     try:
         server.start()
         with ThreadPoolExecutor(3) as pool:
-            got = dict(zip(prompts, pool.map(lambda rid: generate(server.address, rid), prompts)))
+            chunks = pool.map(lambda rid: generate(server.address, rid), prompts)
+            got = dict(zip(prompts, chunks, strict=True))
     finally:
         server.stop()
         engine.stop()
