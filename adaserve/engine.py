@@ -38,7 +38,7 @@ from adaserve import metrics
 from adaserve.adaptive import (
     AcceptanceEstimate,
     SLOFloor,
-    cost_depth,
+    ngram_pays,
     plan_depth_width,
     slack_plan,
     slo_floor,
@@ -317,6 +317,10 @@ class Engine:
         self.latency = latency
         self._draft_ms = 0.0  # EWMA of a drafting iteration's speculate phase
         self._model_draft_ms = 0.0  # EWMA of the model drafter's call where it drafted
+        # EWMA of the n-gram drafter's host time per request where it drafted: its
+        # lookups plus the selection over the trees (what `_ngram_pays` weighs).
+        self._ngram_host_ms = 0.0
+        self._ngram_lookup_ms = 0.0  # this iteration's lookups
         # EWMA of the drafter's time per prompt token it ingests beside the target's
         # prefill: part of what a prefill token costs the iteration.
         self._ingest_ms = 0.0
@@ -762,22 +766,29 @@ class Engine:
         if self.drafter is None and self.ngram is None:
             return roots
         ng = self.settings.speculation.ngram
+        # Where its trees do not pay, `auto` spends no lookups either (they are host
+        # time every request waits for); the requests catch up on their next lookup.
+        pays = self.ngram is not None and self._ngram_pays(len(step.decoding))
+        looked_up = [
+            r for r in step.decoding if r.method == "ngram" or (pays and r.method in USES_NGRAM)
+        ]
+        t0 = self.clock()
         ngram = self._draft(
             self.ngram,
             "ngram_len",
-            [r for r in step.decoding if r.method in USES_NGRAM],
+            looked_up,
             [(r, c) for r, c in step.chunks if r.method in USES_NGRAM],
             ng.depth,
             ng.width,
-            0.0,  # selection prunes its unlikely nodes; drafting them costs nothing
+            0.0,  # selection prunes its unlikely nodes; drafting them costs no forward
         )
+        self._ngram_lookup_ms = (self.clock() - t0) * 1000.0 if looked_up else 0.0
         calibration = self.method_stats["ngram"].calibration
         ngram = {rid: scale_f(t, calibration) for rid, t in ngram.items()}
         planned = {r.req.id for r in step.drafted} if step.depth > 0 else set()
         alpha = self._adaptive().acceptance
         model_tokens = chain_tokens(alpha, step.depth)
         share = self._model_draft_ms / max(self.tspec.predict_ms(len(step.decoding)), 1e-6)
-        pays = self._ngram_pays(len(step.decoding))
         for r in step.decoding:
             r.source = choose_source(
                 r.method,
@@ -814,18 +825,18 @@ class Engine:
         return trees
 
     def _ngram_pays(self, n: int) -> bool:
-        """Whether verifying n-gram trees pays for a batch of n: the cost cap's model
-        (adaptive.cost_depth) with the n-gram drafter's learned acceptance and no draft
-        cost finds a depth above 0 (at 16 budget tokens: acceptance above n / (16 + n))."""
-        a = self.settings.scheduler.adaptive.model_copy(
-            update={
-                "acceptance": self.ngram_acceptance.alpha,
-                "draft_cost_tokens": 1e-6,
-                "draft_cost_tokens_per_request": 0.0,
-                "d_min": 0,
-            }
+        """Whether verifying n-gram trees pays for a batch of n (adaptive.ngram_pays),
+        with the n-gram drafter's learned acceptance and its measured host time per
+        request in token-units of this batch's iteration."""
+        budget = self.settings.scheduler.budget
+        unit_ms = self.tspec.measured_ms(n) / (budget + n)
+        return ngram_pays(
+            n,
+            budget,
+            self.ngram_acceptance.alpha,
+            self.settings.speculation.ngram.depth,
+            self._ngram_host_ms / max(unit_ms, 1e-6),
         )
-        return cost_depth(n, self.settings.scheduler.budget, a) > 0
 
     def _draft(
         self,
@@ -1387,6 +1398,9 @@ class Engine:
         if not step.decoding:  # a forward of prompt chunks alone
             metrics.iteration_seconds.labels("prefill").observe(t3 - t2)
             return
+        if any(r.source in ("ngram", "model+ngram") for r in step.decoding):
+            host = (self._ngram_lookup_ms + (t2 - t1) * 1000.0) / len(step.decoding)
+            self._ngram_host_ms += 0.3 * (host - self._ngram_host_ms)
         self._iterations += 1
         if not prefill:  # t_spec predicts decode iterations
             self.tspec.observe(tokens, (t3 - t0) * 1000.0)
