@@ -26,8 +26,9 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -37,7 +38,7 @@ from adaserve import metrics
 from adaserve.adaptive import (
     AcceptanceEstimate,
     SLOFloor,
-    cost_depth,
+    ngram_pays,
     plan_depth_width,
     slack_plan,
     slo_floor,
@@ -56,6 +57,7 @@ from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
 from adaserve.grammar import Constraint, GrammarBackend
+from adaserve.isolation import Quarantine, report
 from adaserve.latency import Curve, ForwardLatency
 from adaserve.logits_process import LogitsContext
 from adaserve.methods import (
@@ -230,6 +232,24 @@ class _Step:
     chunks: list[tuple[_Request, PrefillChunk]]
     batch: BatchPlan
 
+    @property
+    def carried(self) -> list[_Request]:
+        """The requests the forward carries: the trees' and the chunks'."""
+        return [*self.decoding, *(r for r, _ in self.chunks)]
+
+
+def _alive(step: _Step, selected: list[CandidateTree]) -> tuple[_Step, list[CandidateTree]]:
+    """The step without the requests that ended during it (their own work failed)."""
+    keep = [i for i, r in enumerate(step.decoding) if not r.finished]
+    if len(keep) == len(step.decoding) and not any(r.finished for r, _ in step.chunks):
+        return step, selected
+    return replace(
+        step,
+        decoding=[step.decoding[i] for i in keep],
+        drafted=[r for r in step.drafted if not r.finished],
+        chunks=[(r, c) for r, c in step.chunks if not r.finished],
+    ), [selected[i] for i in keep]
+
 
 class Engine:
     def __init__(
@@ -306,6 +326,10 @@ class Engine:
         self.latency = latency
         self._draft_ms = 0.0  # EWMA of a drafting iteration's speculate phase
         self._model_draft_ms = 0.0  # EWMA of the model drafter's call where it drafted
+        # EWMA of the n-gram drafter's host time per request where it drafted: its
+        # lookups plus the selection over the trees (what `_ngram_pays` weighs).
+        self._ngram_host_ms = 0.0
+        self._ngram_lookup_ms = 0.0  # this iteration's lookups
         # EWMA of the drafter's time per prompt token it ingests beside the target's
         # prefill: part of what a prefill token costs the iteration.
         self._ingest_ms = 0.0
@@ -336,6 +360,10 @@ class Engine:
         # The loop stamps this every pass (idle or not): its age is how long the loop
         # has made no progress, which liveness checks read (a wedged forward).
         self._beat: float | None = None
+        # Failure isolation (adaserve/isolation.py): the suspects of failed iterations,
+        # and the requests the iteration in progress carries (None: not decided yet).
+        self._quarantine = Quarantine()
+        self._carrying: list[_Request] | None = None
 
     # ---- public API (any thread) ---------------------------------------------------
 
@@ -503,7 +531,7 @@ class Engine:
                 self._wake.clear()
             try:
                 self.step()
-            except Exception:  # a bug must not wedge every client: fail the batch, go on
+            except Exception:  # failure isolation itself failed: fail the batch, go on
                 log.exception("engine iteration failed; failing the running requests")
                 for r in list(self._running.values()):
                     self._finish(r, "error", error="internal error in the engine iteration")
@@ -513,7 +541,15 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: intake, then one forward carrying the trees of the decoding
-        requests and the prefill chunks that fit beside them."""
+        requests and the prefill chunks that fit beside them. A failure ends only the
+        requests it concerns (adaserve/isolation.py)."""
+        self._carrying = None
+        try:
+            self._iterate()
+        except Exception as exc:
+            self._iteration_failed(exc)
+
+    def _iterate(self) -> None:
         start = self.clock()
         self._drain_inbox()
         self._expire_deadlines()
@@ -532,8 +568,10 @@ class Engine:
         trees = self._fit_context(step.decoding, self._speculate(step))
         t1 = self.clock()
         selected = self._select(step, trees)
-        selected, masks = self._constrain(step.decoding, selected)
-        step, selected = self._fit_kv(step, selected)
+        selected, logits = self._constrain(step.decoding, selected)
+        # Requests whose own work failed so far are gone; the rest may still be preempted.
+        step, selected = self._fit_kv(*_alive(step, selected))
+        self._carrying = step.carried
         t2 = self.clock()
         items = [
             VerifyItem(
@@ -542,15 +580,16 @@ class Engine:
                 r.req.sampling,
                 r.generator,
                 r.req.sampling.max_tokens - r.num_generated,
-                self._logits_context(r, masks.get(r.req.id)),
+                logits.get(r.req.id),
             )
             for r, tree in zip(step.decoding, selected, strict=True)
         ]
         result = self.target.forward(items, [c for _, c in step.chunks])
         t3 = self.clock()
         for r, tree, res in zip(step.decoding, selected, result.verified, strict=True):
-            self._record_spec(r.source, tree, res.accepted_nodes, len(res.emitted_tokens))
-            self._apply(r, res.emitted_tokens.tolist(), t3, res.logprobs)
+            with self._guard(r, "apply"):
+                self._record_spec(r.source, tree, res.accepted_nodes, len(res.emitted_tokens))
+                self._apply(r, res.emitted_tokens.tolist(), t3, res.logprobs)
         if step.decoding:
             emitted = sum(len(res.emitted_tokens) for res in result.verified)
             self._observe_tpot(len(step.decoding), emitted, (t3 - start) * 1000.0)
@@ -558,7 +597,13 @@ class Engine:
         for (r, chunk), first, lp in zip(step.chunks, result.first_tokens, first_lp, strict=True):
             r.prefilled += len(chunk.tokens)
             if first is not None:
-                self._apply(r, [first], t3, lp)
+                with self._guard(r, "apply"):
+                    self._apply(r, [first], t3, lp)
+        # A suspect is cleared by a tree of its own: a prompt chunk may not be what broke.
+        together = set(self._quarantine.passed([r.req.id for r in step.decoding]))
+        for r in [r for r in self._running.values() if r.req.id in together]:
+            exc = RuntimeError("iterations fail whenever it runs with others")
+            self._fail(r, "batch", exc, traceback=False)
         self._observe_iteration(step, selected, t0, t1, t2, t3)
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
@@ -572,7 +617,7 @@ class Engine:
     def _form_step(self) -> _Step:
         """Which requests draft (and how deep), which prompts get a chunk of how many
         tokens, and the tree budget selection may spend (adaserve/batching.py)."""
-        running = list(self._running.values())
+        running = self._eligible()
         decoding = [r for r in running if not r.prefilling]
         prefilling = [r for r in running if r.prefilling]
         drafted, depth, width = self._plan(decoding, len(prefilling))
@@ -627,10 +672,13 @@ class Engine:
             last = r.prefilled + n == r.prefill_target and r.num_generated == 0
             logits = None
             if last and r.req.sampling.processes_logits:
-                first_masks = None
-                if r.constraint is not None:
-                    first_masks = r.constraint.tree_masks(CandidateTree.root_only(0))[1]
-                logits = self._logits_context(r, first_masks)
+                with self._guard(r, "prefill"):
+                    first_masks = None
+                    if r.constraint is not None:
+                        first_masks = r.constraint.tree_masks(CandidateTree.root_only(0))[1]
+                    logits = self._logits_context(r, first_masks)
+                if r.finished:
+                    continue
             chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator, logits)
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
@@ -749,22 +797,29 @@ class Engine:
         if self.drafter is None and self.ngram is None:
             return roots
         ng = self.settings.speculation.ngram
+        # Where its trees do not pay, `auto` spends no lookups either (they are host
+        # time every request waits for); the requests catch up on their next lookup.
+        pays = self.ngram is not None and self._ngram_pays(len(step.decoding))
+        looked_up = [
+            r for r in step.decoding if r.method == "ngram" or (pays and r.method in USES_NGRAM)
+        ]
+        t0 = self.clock()
         ngram = self._draft(
             self.ngram,
             "ngram_len",
-            [r for r in step.decoding if r.method in USES_NGRAM],
+            looked_up,
             [(r, c) for r, c in step.chunks if r.method in USES_NGRAM],
             ng.depth,
             ng.width,
-            0.0,  # selection prunes its unlikely nodes; drafting them costs nothing
+            0.0,  # selection prunes its unlikely nodes; drafting them costs no forward
         )
+        self._ngram_lookup_ms = (self.clock() - t0) * 1000.0 if looked_up else 0.0
         calibration = self.method_stats["ngram"].calibration
         ngram = {rid: scale_f(t, calibration) for rid, t in ngram.items()}
         planned = {r.req.id for r in step.drafted} if step.depth > 0 else set()
         alpha = self._adaptive().acceptance
         model_tokens = chain_tokens(alpha, step.depth)
         share = self._model_draft_ms / max(self.tspec.predict_ms(len(step.decoding)), 1e-6)
-        pays = self._ngram_pays(len(step.decoding))
         for r in step.decoding:
             r.source = choose_source(
                 r.method,
@@ -790,30 +845,29 @@ class Engine:
         if drafted and model:  # what auto weighs against an n-gram tree alone
             ms = (self.clock() - t0) * 1000.0
             self._model_draft_ms += 0.3 * (ms - self._model_draft_ms)
-        trees = []
-        for r, root in zip(step.decoding, roots, strict=True):
+        trees = list(roots)
+        for i, r in enumerate(step.decoding):
             rid = r.req.id
-            if r.source == "model+ngram":
-                trees.append(merge_trees(model.get(rid, root), ngram.get(rid, root)))
-            elif r.source in ("model", "ngram"):
-                trees.append((model if r.source == "model" else ngram).get(rid, root))
-            else:
-                trees.append(root)
+            with self._guard(r, "tree"):
+                if r.source == "model+ngram":
+                    trees[i] = merge_trees(model.get(rid, roots[i]), ngram.get(rid, roots[i]))
+                elif r.source in ("model", "ngram"):
+                    trees[i] = (model if r.source == "model" else ngram).get(rid, roots[i])
         return trees
 
     def _ngram_pays(self, n: int) -> bool:
-        """Whether verifying n-gram trees pays for a batch of n: the cost cap's model
-        (adaptive.cost_depth) with the n-gram drafter's learned acceptance and no draft
-        cost finds a depth above 0 (at 16 budget tokens: acceptance above n / (16 + n))."""
-        a = self.settings.scheduler.adaptive.model_copy(
-            update={
-                "acceptance": self.ngram_acceptance.alpha,
-                "draft_cost_tokens": 1e-6,
-                "draft_cost_tokens_per_request": 0.0,
-                "d_min": 0,
-            }
+        """Whether verifying n-gram trees pays for a batch of n (adaptive.ngram_pays),
+        with the n-gram drafter's learned acceptance and its measured host time per
+        request in token-units of this batch's iteration."""
+        budget = self.settings.scheduler.budget
+        unit_ms = self.tspec.measured_ms(n) / (budget + n)
+        return ngram_pays(
+            n,
+            budget,
+            self.ngram_acceptance.alpha,
+            self.settings.speculation.ngram.depth,
+            self._ngram_host_ms / max(unit_ms, 1e-6),
         )
-        return cost_depth(n, self.settings.scheduler.budget, a) > 0
 
     def _draft(
         self,
@@ -875,28 +929,31 @@ class Engine:
     ) -> list[CandidateTree]:
         """Each tree cut to the context window: its node at depth d would sit at position
         len(tokens) - 1 + d (an n-gram tree of a request near the end outgrows it)."""
-        out = []
-        for r, tree in zip(decoding, trees, strict=True):
+        out = list(trees)
+        for i, (r, tree) in enumerate(zip(decoding, trees, strict=True)):
             room = self.max_model_len - len(r.tokens)
             if len(tree) > 1:
-                depths = tree.depths()
-                if int(depths.max()) > room:
-                    tree = tree.subtree(np.nonzero(depths <= room)[0])
-            out.append(tree)
+                with self._guard(r, "tree"):
+                    depths = tree.depths()
+                    if int(depths.max()) > room:
+                        out[i] = tree.subtree(np.nonzero(depths <= room)[0])
         return out
 
     def _constrain(
         self, decoding: list[_Request], trees: list[CandidateTree]
-    ) -> tuple[list[CandidateTree], dict[str, np.ndarray]]:
+    ) -> tuple[list[CandidateTree], dict[str, LogitsContext | None]]:
         """Structured output: each constrained tree without the branches its grammar
-        rejects (they could never be accepted), and the grammar's mask at every node
-        that is left, by request id."""
-        masks: dict[str, np.ndarray] = {}
+        rejects (they could never be accepted); and by request id what the target needs
+        to process its rows (the grammar's mask at every node that is left included)."""
+        logits: dict[str, LogitsContext | None] = {}
         out = list(trees)
         for i, r in enumerate(decoding):
-            if r.constraint is not None:
-                out[i], masks[r.req.id] = r.constraint.tree_masks(trees[i])
-        return out, masks
+            with self._guard(r, "constrain"):
+                masks = None
+                if r.constraint is not None:
+                    out[i], masks = r.constraint.tree_masks(trees[i])
+                logits[r.req.id] = self._logits_context(r, masks)
+        return out, logits
 
     def _logits_context(self, r: _Request, masks: np.ndarray | None) -> LogitsContext | None:
         """What the target needs to process this request's rows; None: nothing to do."""
@@ -1081,20 +1138,14 @@ class Engine:
                 req, stream, arrival = item[1]
                 r = self._new_request(req, stream, arrival)
                 self._waiting.append(r)
-                if req.sampling.structured is not None and self.grammar is not None:
-                    try:  # compiled at submit by the service already: cached, cheap
-                        r.constraint = self.grammar.constraint(req.sampling.structured, r.stop_ids)
-                    except (ValueError, RuntimeError) as exc:
-                        self._finish(r, "error", error=str(exc))
+                with self._guard(r, "intake"):
+                    self._prepare(r)
             else:
                 self._abort(item[1])
 
     def _new_request(
         self, req: GenerationRequest, stream: RequestStream, arrival: float
     ) -> _Request:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, stop=tuple(req.sampling.stop))
         ttft = req.ttft_slo_ms if req.ttft_slo_ms is not None else UNSET_TTFT_ORDER_MS
         sp = req.sampling
         r = _Request(
@@ -1102,7 +1153,7 @@ class Engine:
             stream=stream,
             arrival=arrival,
             tokens=list(req.prompt_token_ids),
-            detok=detok,
+            detok=None,
             generator=self.target.make_generator(sp.seed),
             ttft_deadline=arrival + ttft / 1000.0,
             prefill_target=len(req.prompt_token_ids),
@@ -1114,6 +1165,17 @@ class Engine:
             r.prompt_ids = np.asarray(req.prompt_token_ids, dtype=np.int32)
         r.best_effort = self._judge_best_effort(r)
         return r
+
+    def _prepare(self, r: _Request) -> None:
+        """The request's own helpers: its detokenizer (stop strings) and grammar matcher."""
+        if self.tokenizer is not None:
+            r.detok = IncrementalDetokenizer(self.tokenizer, stop=tuple(r.req.sampling.stop))
+        structured = r.req.sampling.structured
+        if structured is not None and self.grammar is not None:
+            try:  # compiled at submit by the service already: cached, cheap
+                r.constraint = self.grammar.constraint(structured, r.stop_ids)
+            except (ValueError, RuntimeError) as exc:  # the client's grammar: its message
+                self._finish(r, "error", error=str(exc))
 
     def _admit(self) -> None:
         """Admit in (priority, arrival) order while a running slot and free KV blocks
@@ -1146,10 +1208,11 @@ class Engine:
                 continue
             self._waiting.pop(i)
             tokens = r.tokens[: r.prefill_target]
-            r.prefilled = self.target.add_sequence(r.req.id, tokens)
-            metrics.prefix_cache_queries.inc(len(tokens))
-            metrics.prefix_cache_hits.inc(r.prefilled)
             self._running[r.req.id] = r
+            with self._guard(r, "admit"):
+                r.prefilled = self.target.add_sequence(r.req.id, tokens)
+                metrics.prefix_cache_queries.inc(len(tokens))
+                metrics.prefix_cache_hits.inc(r.prefilled)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
 
@@ -1244,17 +1307,19 @@ class Engine:
     def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
         if r.finished:
             return
-        r.stream.put(
-            TokenDelta(
-                token_ids=(),
-                text="",
-                finish_reason=reason,
-                num_prompt_tokens=r.num_prompt,
-                num_generated=r.num_generated,
-                best_effort=r.best_effort,
-                error=error,
-            )
+        delta = TokenDelta(
+            token_ids=(),
+            text="",
+            finish_reason=reason,
+            num_prompt_tokens=r.num_prompt,
+            num_generated=r.num_generated,
+            best_effort=r.best_effort,
+            error=error,
         )
+        try:
+            r.stream.put(delta)
+        except Exception as exc:  # a broken stream must not keep the request's state
+            log.warning("request %s: its stream refused the final delta (%r)", r.req.id, exc)
         self._retire(r, reason)
 
     def _retire(self, r: _Request, reason: str) -> None:
@@ -1264,7 +1329,10 @@ class Engine:
         if r in self._waiting:
             self._waiting.remove(r)
         if self._running.pop(r.req.id, None) is not None:
-            self.target.free(r.req.id)
+            try:
+                self.target.free(r.req.id)
+            except Exception:  # its KV accounting is broken: the others' still holds
+                log.exception("request %s: freeing its KV failed", r.req.id)
             self._release_drafts(r)
         self._record_finish(r, reason)
         metrics.num_running.set(len(self._running))
@@ -1276,6 +1344,55 @@ class Engine:
         if self.ngram is not None and r.ngram_len:
             self.ngram.release([r.req.id])
         r.drafter_len = r.ngram_len = 0
+
+    # ---- failure isolation (adaserve/isolation.py) -----------------------------------
+
+    @contextmanager
+    def _guard(self, r: _Request, phase: str) -> Iterator[None]:
+        """Work of one request's own: an exception there ends that request alone."""
+        try:
+            yield
+        except Exception as exc:
+            self._fail(r, phase, exc)
+
+    def _fail(self, r: _Request, phase: str, exc: Exception, traceback: bool = True) -> None:
+        """Ends a request whose own work failed: "error" to its client, its KV and draft
+        state freed as an abort frees them; the other requests go on."""
+        if not r.finished:
+            self._finish(r, "error", error=report(r.req.id, phase, exc, traceback))
+
+    def _eligible(self) -> list[_Request]:
+        """The running requests this iteration may carry: the quarantine's head group
+        while it holds suspects, else all."""
+        allowed = self._quarantine.allowed(self._running.keys())
+        return [r for r in self._running.values() if allowed is None or r.req.id in allowed]
+
+    def _iteration_failed(self, exc: Exception) -> None:
+        """The batched part of the iteration raised, so nobody knows whose input broke
+        it: the quarantine ends a request that already failed alone and bisects the
+        rest. The forward may have appended or committed KV for any of them that their
+        tokens do not show yet: their KV is rebuilt from their committed tokens."""
+        carried = self._eligible() if self._carrying is None else self._carrying
+        carried = [r for r in carried if not r.finished and r.req.id in self._running]
+        ids = [r.req.id for r in carried]
+        log.error("engine iteration failed carrying %s; isolating them", ids, exc_info=exc)
+        culprits = set(self._quarantine.failed(ids))
+        for r in carried:
+            if r.req.id in culprits:
+                self._fail(r, "batch", exc, traceback=False)  # logged just above
+            else:
+                with self._guard(r, "resync"):
+                    self._resync(r)
+        self._flush_releases()
+
+    def _resync(self, r: _Request) -> None:
+        """Recompute, as after a preemption, without leaving the running set: the KV of
+        every committed token but the last (that one roots the next tree) is prefilled
+        again, from the prefix cache where its blocks are whole; the drafters re-ingest."""
+        self.target.free(r.req.id)
+        self._release_drafts(r)
+        r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
+        r.prefilled = self.target.add_sequence(r.req.id, r.tokens[: r.prefill_target])
 
     def _flush_releases(self) -> None:
         for drafter in (self.drafter, self.ngram):
@@ -1346,6 +1463,9 @@ class Engine:
         if not step.decoding:  # a forward of prompt chunks alone
             metrics.iteration_seconds.labels("prefill").observe(t3 - t2)
             return
+        if any(r.source in ("ngram", "model+ngram") for r in step.decoding):
+            host = (self._ngram_lookup_ms + (t2 - t1) * 1000.0) / len(step.decoding)
+            self._ngram_host_ms += 0.3 * (host - self._ngram_host_ms)
         self._iterations += 1
         if not prefill:  # t_spec predicts decode iterations
             self.tspec.observe(tokens, (t3 - t0) * 1000.0)

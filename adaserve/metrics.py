@@ -89,6 +89,12 @@ optimal_invalid_total = Counter(
     "Iterations where policy optimal (Algorithm 1) found no allocation meeting every "
     "request's A(r), so policy adaserve selected instead",
 )
+request_errors_total = Counter(
+    "adaserve_request_errors_total",
+    "Requests ended with finish reason error by a failure of their own, by the phase it "
+    "happened in (adaserve/isolation.py PHASES); the other requests went on",
+    ["phase"],
+)
 drafter_resyncs_total = Counter(
     "adaserve_drafter_resyncs_total", "Requests whose draft state was rebuilt from history"
 )

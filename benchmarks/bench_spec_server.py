@@ -15,6 +15,12 @@ the script says so when they are not.
 instead of the packed kernel (adaserve/model/cpu_gemm.py), which is MKL's own best case
 for one token: the speculative server is then also compared with that.
 
+`--separate` adds a speculative server in the layout `make up` starts (a verifier, a
+drafter and a scheduler process; without `--all-in-one`), so both layouts are compared
+with the same plain server in one run; `--separate default passive` adds a second one
+with every service's OpenMP threads asleep between ops (OMP_WAIT_POLICY=PASSIVE, what
+`make up` did before 0.7.0).
+
 `--methods model ngram auto` sends each round once per speculation method to the same
 speculative server (the request field `speculation.method`; adaserve/methods.py), each
 compared with the plain server; without it the server's default method is used (mode
@@ -25,6 +31,7 @@ instead of the built-in 8 chat prompts.
 
     .venv/bin/python benchmarks/bench_spec_server.py [--concurrency 1 8] [--max-tokens 96]
         [--plain-cpu-kernel mkl] [--methods model ngram auto] [--category summarize]
+        [--separate [default passive]]
 """
 
 from __future__ import annotations
@@ -190,6 +197,14 @@ def main() -> int:
         default=None,
         help="also run speculation off with this CPU linear kernel",
     )
+    p.add_argument(
+        "--separate",
+        nargs="*",
+        choices=["default", "passive"],
+        default=None,
+        help="also a speculative server in the separate-process layout (`make up`); "
+        "passive: with OMP_WAIT_POLICY=PASSIVE in every service",
+    )
     args = p.parse_args()
 
     results: dict = {"load_before": os.getloadavg(), "rows": [], "category": args.category}
@@ -206,9 +221,17 @@ def main() -> int:
         other = f"plain-{args.plain_cpu_kernel}"
         servers[other] = "none"
         env[other] = {**off, "ADASERVE_MODEL__CPU_KERNEL": args.plain_cpu_kernel}
+    # The separate-process layout's servers: speculative modes of their own.
+    variants = [] if args.separate is None else (args.separate or ["default"])
+    separate = {("separate" if v == "default" else f"separate-{v}"): v for v in variants}
+    for name, variant in separate.items():
+        servers[name] = args.drafter
+        if variant == "passive":
+            env[name] = {"OMP_WAIT_POLICY": "PASSIVE"}
     # mode -> (server, method): each method is a mode on the one speculative server.
     spec_modes = {m: ("speculative", m) for m in args.methods} if args.methods else {}
     spec_modes = spec_modes or {"speculative": ("speculative", None)}
+    spec_modes |= {name: (name, None) for name in separate}
     modes = {**spec_modes, **{name: (name, None) for name in servers if name != "speculative"}}
     ports: dict[str, int] = {}
     metrics_urls: dict[str, str] = {}
@@ -220,7 +243,8 @@ def main() -> int:
         for name, drafter in servers.items():
             # picked only now: the first server's services take free ports as they start
             ports[name] = free_port()
-            up_args = ["--all-in-one", "--target", "embedded", "--drafter", drafter, *extra]
+            layout = [] if name in separate else ["--all-in-one"]
+            up_args = [*layout, "--target", "embedded", "--drafter", drafter, *extra]
             # each server its own engine metrics port (the default 9400 would collide)
             metrics_port = free_port()
             metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -278,7 +302,7 @@ def main() -> int:
     finally:
         for proc in procs.values():
             stop_up(proc)
-    for base in [m for m in servers if m != "speculative"]:
+    for base in [m for m in servers if m != "speculative" and m not in separate]:
         print(
             f"\n{'mode':>12s}  concurrency  tok/s  {base:>9s}   ratio  walk ratio  identical output"
         )

@@ -281,3 +281,21 @@ def test_draft_stop_prob_lifts_the_cap_only_where_it_plans_two_steps_or_more():
     assert plan_depth_width(1, 16, stop) == (6, 2)
     with pytest.raises(ValueError):
         AdaptiveSettings(draft_stop_prob=1.0)
+
+
+def test_ngram_pays_weighs_its_host_time_against_the_tokens_it_adds() -> None:
+    """Free lookups pay above acceptance n / (B + n) (depth 1 at the margin); host time
+    per request moves the bar up, so a batch of 8 that an acceptance of 0.45 pays for
+    with free lookups (the CPU's measured rate) does not when each request's lookup and
+    selection cost 0.43 token-units (0.39 ms at 0.9 ms per unit: BENCHMARKS.md)."""
+    from adaserve.adaptive import ngram_pays
+
+    assert ngram_pays(8, 16, 0.45, 4, 0.0)
+    assert not ngram_pays(8, 16, 0.30, 4, 0.0)  # below 8 / 24
+    assert not ngram_pays(8, 16, 0.45, 4, 0.43)
+    assert ngram_pays(1, 16, 0.45, 4, 0.43)  # one request: the same cost pays easily
+    assert ngram_pays(8, 16, 0.8, 4, 0.43)  # a summary that copies its source
+    # More host time never makes it pay where less did not.
+    costs = np.linspace(0.0, 3.0, 31)
+    verdicts = [ngram_pays(8, 16, 0.5, 4, h) for h in costs]
+    assert verdicts == sorted(verdicts, reverse=True)

@@ -203,7 +203,7 @@ def test_service_env_bounds_openmp_spinning_unless_told_otherwise() -> None:
     assert service_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
 
 
-def test_plan_sleeps_openmp_threads_only_where_torch_processes_share_the_cpu(tmp_path) -> None:
+def test_plan_sleeps_openmp_threads_only_where_torch_processes_compute_at_once(tmp_path) -> None:
     import argparse
 
     from adaserve.commands.up import add_arguments, plan
@@ -215,7 +215,10 @@ def test_plan_sleeps_openmp_threads_only_where_torch_processes_share_the_cpu(tmp
 
     assert shared("--all-in-one") == {False}
     assert shared("--drafter", "none") == {False}
-    assert shared("--drafter", "embedded") == {True}  # a drafter process beside the verifier
+    # A drafter process and its verifier take turns (draft, then verify): both spin.
+    assert shared("--drafter", "embedded") == {False}
+    assert shared("--drafter", "embedded", "--verifier-units", "2") == {True}
+    assert shared("--tp", "2", "--all-in-one") == {True}
     assert shared("--drafter", "none", "--verifier-units", "2") == {True}
     # With a drafter process, each verifier starts once the drafter has loaded: it
     # times the hardware at startup.

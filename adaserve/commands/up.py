@@ -42,15 +42,16 @@ DEFAULT_METRICS_PORT = 9400  # services/verifier/__main__.py's default, for unit
 def service_env(base: os._Environ | dict[str, str], shared_cpu: bool = False) -> dict[str, str]:
     """A service's environment, for how its OpenMP threads wait between ops.
 
-    Each service does its torch work on one thread (adaserve/torch_thread.py). Alone on
-    the CPU (all-in-one: one torch process), its workers should spin between a forward's
-    ops, since a futex wake-up per op costs ~40% on a 2-core host; GOMP_SPINCOUNT=30000
-    runs a forward at libgomp's default speed and stops spinning ten times sooner after
-    it. With several torch processes on the same cores (`shared_cpu`: a drafter process
-    beside the verifier, several units, TP ranks) spinning workers steal the cores the
-    process that is computing needs: one request through such a stack on 2 cores ran a
-    verify phase of 240 ms spinning and 122 ms with OMP_WAIT_POLICY=PASSIVE
-    (`BENCHMARKS.md`). A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set wins."""
+    Each service does its torch work on one thread (adaserve/torch_thread.py). A torch
+    process that has the cores to itself while it computes should let its workers spin
+    between a forward's ops, since a futex wake-up per op costs ~40% on a 2-core host;
+    GOMP_SPINCOUNT=30000 runs a forward at libgomp's default speed and stops spinning
+    ten times sooner after it. That holds for one process (all-in-one) and for a
+    verifier and its drafter, which take turns (draft, then verify). Torch processes
+    that compute at the same time (`shared_cpu`: several units, TP ranks) must sleep
+    instead, or their spinning workers steal the cores the other one needs
+    (OMP_WAIT_POLICY=PASSIVE). A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set wins.
+    Measured in `BENCHMARKS.md` ("Layouts")."""
     env = {**base, "PYTHONUNBUFFERED": "1"}
     if "GOMP_SPINCOUNT" not in base and "OMP_WAIT_POLICY" not in base:
         if shared_cpu:
@@ -136,7 +137,7 @@ class Service:
     grpc_address: str | None  # checked with gRPC health; None: the gateway (HTTP /ready)
     log_path: Path
     metrics_url: str | None = None  # the service's own Prometheus endpoint, if it has one
-    shared_cpu: bool = False  # several torch processes share this host (service_env)
+    shared_cpu: bool = False  # torch processes compute at once on this host (service_env)
     # Start only once the services before it are healthy: a verifier times the hardware
     # at startup (`slo.baseline_tpot_ms: auto`), which a model loading beside it skews.
     settle_first: bool = False
@@ -217,10 +218,12 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     services: list[Service] = []
     verifiers: list[str] = []
-    # More than one process running torch on these cores?
-    shared = args.tp > 1 or (
-        not args.all_in_one and (drafter is not None or args.verifier_units > 1)
-    )
+    # Torch processes that compute at the same time on these cores (a unit's drafter
+    # and verifier take turns, so one unit does not count)?
+    shared = args.tp > 1 or (not args.all_in_one and args.verifier_units > 1)
+    # Another torch process beside each verifier, loading while the verifier would
+    # time the hardware?
+    beside = shared or (not args.all_in_one and drafter is not None)
 
     def add(
         name: str,
@@ -243,7 +246,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         url = f"http://{loop}:{m_port}/metrics" if m_port else None
         # Beside a drafter process, start once it has loaded: the verifier times the
         # hardware at startup.
-        add(name, argv, port, url, settle_first=shared)
+        add(name, argv, port, url, settle_first=beside)
         verifiers.append(f"{loop}:{port}")
 
     if args.all_in_one:
