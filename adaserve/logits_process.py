@@ -169,6 +169,23 @@ def _penalize(
                 row[ids] -= sp.frequency_penalty * c + sp.presence_penalty * (c > 0).float()
 
 
+def scored_logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int) -> TokenLogprobs:
+    """`token_logprobs` plus each token's rank in its row (1: the most likely; ties
+    count in the token's favour), on whatever device `logits` [m, V] is: only the
+    m x (k + 2) values come back to the host (prompt logprobs, one chunk at a time)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=lp.device)
+    chosen = lp.gather(1, ids[:, None])
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = torch.topk(lp, k, dim=-1, sorted=True)
+    return TokenLogprobs(
+        chosen[:, 0].cpu().numpy().astype(np.float32),
+        top_ids.cpu().numpy().astype(np.int32),
+        top_lp.cpu().numpy().astype(np.float32),
+        ranks.cpu().numpy().astype(np.int32),
+    )
+
+
 def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int) -> TokenLogprobs:
     """Log-probabilities of `tokens[i]` under row i of the raw `logits` [m, V], and each
     row's k most likely tokens (descending)."""
