@@ -244,9 +244,7 @@ class Formatter:
         if c.finish_reason is not None:
             ch.finish_reason = c.finish_reason
 
-    def prefix(
-        self, index: int, text: str, prompt: PromptScores | None = None, k: int = 0
-    ) -> None:
+    def prefix(self, index: int, text: str, prompt: PromptScores | None = None, k: int = 0) -> None:
         """Text before a choice's output (echo), called before any of its chunks; with
         `prompt`, its tokens' logprobs (each with its top k) come first too."""
         ch = self._choice(index)

@@ -451,7 +451,9 @@ def from_completion(
     if body.best_of is not None and body.best_of > body.n and logprobs is None:
         logprobs = 0
     # echo with logprobs: the echoed prompt's tokens come with theirs (OpenAI, vLLM).
-    wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    wanted = [
+        k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None
+    ]
     common |= {
         "n": n,
         "logprobs": logprobs,

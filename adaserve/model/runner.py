@@ -81,9 +81,7 @@ class ModelRunner:
 
     # -- sequence lifecycle ------------------------------------------------------------
 
-    def add_sequence(
-        self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True
-    ) -> int:
+    def add_sequence(self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True) -> int:
         """Start a sequence that will hold `tokens` (its prompt, when known): returns how
         many leading tokens the prefix cache already holds (committed from the start;
         the caller forwards the rest). `use_cache` False: 0, nothing looked up (a

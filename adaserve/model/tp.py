@@ -167,9 +167,7 @@ class TPRunner:
         _broadcast(cmd, self._control)
         return apply(self.local, cmd)
 
-    def add_sequence(
-        self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True
-    ) -> int:
+    def add_sequence(self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True) -> int:
         if self.local.has_sequence(seq_id):  # fail here, not on every rank
             raise ValueError(f"sequence {seq_id!r} already exists")
         cached = self._run(AddSequence(seq_id, [int(t) for t in tokens], use_cache))
