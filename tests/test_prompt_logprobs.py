@@ -166,3 +166,30 @@ def test_a_one_token_prompt_has_no_prompt_logprobs_and_bad_k_is_refused(target_d
     for bad in (-1, 21, True, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)  # type: ignore[arg-type]
+
+
+def test_preempted_mid_prefill_the_prompt_is_scored_again_from_the_start(target_dir) -> None:
+    """Preempted (or re-synced after a failed iteration) before its first token, a
+    scoring request recomputes its prompt from the start, not from the prefix cache
+    its first chunks filled, and sends each position's logprobs once."""
+    engine = make_engine(target_dir, engine={"max_batch_tokens": 8, "min_prefill_tokens": 8})
+    stream = engine.submit(_request("a", 2))
+    for _ in range(3):  # a few chunks in
+        engine.step()
+    r = engine._running["a"]
+    assert 0 < r.prefilled < len(PROMPT) and r.prompt_lp
+    engine._preempt(r)
+    got = None
+    for step in range(200):
+        engine.step()
+        if step == 2:  # and once more, the failed-iteration way
+            r = engine._running["a"]
+            assert r.prefilling
+            engine._resync(r)
+        d = stream.get(timeout=0)
+        if d is not None:
+            assert d.error is None, d.error
+            got = d
+            break
+    assert got is not None
+    _check(got.prompt_logprobs, hf_prompt_logprobs(target_dir, PROMPT), 2)
