@@ -604,7 +604,10 @@ class Engine:
                 with self._guard(r, "apply"):
                     self._apply(r, [first], t3, lp, self._prompt_logprobs(r))
         # A suspect is cleared by a tree of its own: a prompt chunk may not be what broke.
-        self._quarantine.passed([r.req.id for r in step.decoding])
+        together = set(self._quarantine.passed([r.req.id for r in step.decoding]))
+        for r in [r for r in self._running.values() if r.req.id in together]:
+            exc = RuntimeError("iterations fail whenever it runs with others")
+            self._fail(r, "batch", exc, traceback=False)
         self._observe_iteration(step, selected, t0, t1, t2, t3)
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,

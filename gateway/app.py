@@ -166,7 +166,8 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         """OpenAI's model list, plus each model's max_model_len and `slo` (as in
-        /v1/slo, from the first of its healthy units by address)."""
+        /v1/slo, from the first of its healthy units by address, with each class's TPOT
+        the fleet's: what a request of that class is given, whichever unit serves it)."""
         router: Router = request.app.state.gateway.router
         seen: dict[str, vpb.InfoResponse] = {}
         for unit in sorted(router.healthy(), key=lambda u: u.address):
@@ -179,7 +180,7 @@ def create_app(
                 "created": 0,
                 "owned_by": "adaserve",
                 "max_model_len": info.max_model_len,
-                "slo": slo_info(info),
+                "slo": slo_info(info, router, name),
             }
             for name, info in sorted(seen.items())
         ]
@@ -189,14 +190,19 @@ def create_app(
     async def slo(request: Request) -> dict[str, Any]:
         """Per healthy unit: the baseline TPOT it measured (or was given), the TPOT
         each SLO class resolved to, the default class, and its SLO floor (the best TPOT
-        one request alone can expect; SLOs below it are served best-effort)."""
+        one request alone can expect; SLOs below it are served best-effort); and per
+        model, the TPOT each class is given across the fleet (`fleet`: the median of the
+        units' values, router.fleet_slo)."""
         router: Router = request.app.state.gateway.router
         data = [
             {"model": u.info.served_model_name, "unit": u.address, **slo_info(u.info)}
             for u in sorted(router.healthy(), key=lambda u: u.address)
             if u.info
         ]
-        return {"object": "list", "data": data}
+        fleet = [
+            {"model": model, "classes": _fleet_classes(router, model)} for model in router.models()
+        ]
+        return {"object": "list", "data": data, "fleet": fleet}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -245,15 +251,32 @@ def _load_summary(unit: Unit) -> dict[str, Any] | None:
     }
 
 
-def slo_info(info: vpb.InfoResponse) -> dict[str, Any]:
-    """A unit's SLO contract as /v1/slo and /v1/models show it."""
+def _fleet_classes(router: Router, model: str) -> dict[str, float]:
+    """Each class's TPOT SLO (ms) across the fleet's units serving `model`."""
+    out = {}
+    for name in sorted(router.slo_classes()):
+        fleet = router.fleet_slo(model, name)
+        if fleet is not None:
+            out[name] = round(fleet[1], 3)
+    return out
+
+
+def slo_info(
+    info: vpb.InfoResponse, router: Router | None = None, model: str = ""
+) -> dict[str, Any]:
+    """A unit's SLO contract as /v1/slo and /v1/models show it; with `router`, each
+    class's TPOT is the fleet's for `model` (what a request of the class is given)."""
+    tpot = dict(info.slo_classes)
+    if router is not None:
+        tpot |= _fleet_classes(router, model)
     return {
         "baseline_tpot_ms": round(info.baseline_tpot_ms, 3),
         "default_class": info.default_slo_class,
         "classes": {
             name: {"tpot_ms": round(ms, 3)}
             | ({"ttft_ms": info.slo_class_ttft_ms[name]} if name in info.slo_class_ttft_ms else {})
-            for name, ms in sorted(info.slo_classes.items())
+            for name, ms in sorted(tpot.items())
+            if name in info.slo_classes
         },
         "slo_floor_ms": round(info.slo_floor_ms, 3),
         "speculative": info.speculative,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -84,6 +84,10 @@ class Gateway:
     async def open(self, spec: GenerateSpec) -> Generation:
         """Route and submit; returns once the unit admitted the request. Raises
         APIError (400 bad input, 429 engine full, 503 no unit) before any output."""
+        if spec.tpot_slo_ms is None:  # a class: the same TPOT whichever unit serves it
+            fleet = self.router.fleet_slo(spec.model, spec.slo_class)
+            if fleet is not None:
+                spec = replace(spec, slo_class=fleet[0], tpot_slo_ms=fleet[1])
         gen = Generation(self, spec)
         self.metrics.in_flight.inc()
         tried: set[str] = set()

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import socket
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -136,6 +137,26 @@ class Router:
 
     def slo_classes(self) -> set[str]:
         return {name for u in self.healthy() if u.info for name in u.info.slo_classes}
+
+    def fleet_slo(self, model: str | None, slo_class: str | None) -> tuple[str, float] | None:
+        """(class, TPOT SLO ms) of `slo_class` (None: the units' default class) for the
+        whole fleet: the median of what the healthy units serving `model` (None: any)
+        resolve it to. Each unit resolves a class against the baseline it measured at
+        startup (`slo.baseline_tpot_ms: auto`), so units on the same hardware differ by
+        their measurement noise: one value for all keeps a class's promise the same
+        whichever unit serves it. None where no unit knows the class."""
+        infos = [
+            u.info
+            for u in self.healthy()
+            if u.info and (model is None or u.info.served_model_name == model)
+        ]
+        if not infos:
+            return None
+        if slo_class is None:  # the most common default (all units share one config)
+            defaults = [i.default_slo_class for i in infos]
+            slo_class = max(sorted(set(defaults)), key=defaults.count)
+        values = [i.slo_classes[slo_class] for i in infos if slo_class in i.slo_classes]
+        return (slo_class, statistics.median(values)) if values else None
 
     def pick(
         self,

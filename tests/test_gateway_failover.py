@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests._serving import Proc, make_served_model, start_gateway, start_verifier
+from tests._faults import verifier_stats
+from tests._serving import TEST_CONFIG, Proc, make_served_model, start_gateway, start_verifier
 
 pytestmark = pytest.mark.slow  # three serving processes
 
@@ -137,3 +138,51 @@ def test_unit_killed_mid_stream(two_units, target: Path, tmp_path: Path) -> None
         assert r.status_code == 200, r.text
     finally:
         procs[y].p.send_signal(signal.SIGCONT)
+
+
+def test_a_class_gets_one_tpot_slo_whichever_unit_serves_it(target: Path, tmp_path: Path) -> None:
+    """Two units that resolve the classes against different baselines (20 and 30 ms:
+    `slo.baseline_tpot_ms: auto` measures each unit's, noise included): the gateway
+    gives a class request the median of the units' values, whichever unit serves it,
+    and /v1/slo and /v1/models show that value. An explicit tpot_slo_ms stays as sent."""
+    procs: list[Proc] = []
+    try:
+        addrs = []
+        for name, baseline in (("unit-a", 20.0), ("unit-b", 30.0)):
+            cfg = TEST_CONFIG.replace("baseline_tpot_ms: 20.0", f"baseline_tpot_ms: {baseline}")
+            proc, addr = start_verifier(tmp_path, target, None, cfg, name=name)
+            procs.append(proc)
+            addrs.append(addr)
+        args = [a for addr in addrs for a in ("--verifier", addr)]
+        gw, url = start_gateway(tmp_path, *args, wait_path="/ready")
+        procs.append(gw)
+        _wait(lambda: len(_units(url)) == 2 and all(u["healthy"] for u in _units(url).values()))
+        slo = httpx.get(f"{url}/v1/slo").json()
+        per_unit = {d["unit"]: d["classes"] for d in slo["data"]}
+        assert len(per_unit) == 2
+        (fleet,) = slo["fleet"]
+        assert fleet["model"] == "tiny"
+        differ = 0
+        for name, ms in fleet["classes"].items():
+            a, b = (per_unit[addr][name]["tpot_ms"] for addr in addrs)
+            assert ms == pytest.approx((a + b) / 2, abs=1e-3)
+            differ += a != b  # classes scaled from the baseline; others are fixed ms
+        assert differ >= 1
+        (model,) = httpx.get(f"{url}/v1/models").json()["data"]
+        assert {k: v["tpot_ms"] for k, v in model["slo"]["classes"].items()} == fleet["classes"]
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 2, "temperature": 0}
+        served = set()
+        for _ in range(4):  # least outstanding rotates ties: both units serve
+            for cls, want in fleet["classes"].items():
+                r = httpx.post(f"{url}/v1/completions", json=body | {"slo_class": cls}, timeout=60)
+                assert r.status_code == 200, r.text
+                assert r.json()["slo"]["tpot_slo_ms"] == pytest.approx(want, abs=1e-3)
+                assert r.json()["slo"]["slo_class"] == cls
+            r = httpx.post(f"{url}/v1/completions", json=body | {"tpot_slo_ms": 77.0}, timeout=60)
+            assert r.json()["slo"]["tpot_slo_ms"] == 77.0
+        for addr in addrs:
+            served.add(verifier_stats(addr).iterations > 0)
+        assert served == {True}
+    finally:
+        for p in procs:
+            p.stop()

@@ -17,7 +17,7 @@ import pytest
 
 from adaserve import metrics
 from adaserve.engine import Engine
-from adaserve.isolation import Quarantine
+from adaserve.isolation import MAX_STRIKES, Quarantine
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from services.common.server import BackgroundServer
@@ -61,6 +61,29 @@ def test_a_transient_failure_ends_nobody_and_two_bad_requests_both_end():
     assert _bisect(ids, set(), transient=1)[0] == []
     assert _bisect(["r0"], set(), transient=1)[0] == []  # alone, it is tried once more
     assert sorted(_bisect(ids, {"r2", "r5"})[0]) == ["r2", "r5"]
+
+
+def test_requests_that_fail_only_together_end_after_max_strikes():
+    """A pair that breaks the batch only together passes every bisection (each half runs
+    clean) and fails the next ordinary iteration again: both end after MAX_STRIKES such
+    bisections; the innocent beside them, cleared apart from them, never ends."""
+    q, alive, ended, ordinary_failures = Quarantine(), ["a", "b", "c"], [], 0
+    for _ in range(100):
+        allowed = q.allowed(alive)
+        carried = [i for i in alive if allowed is None or i in allowed]
+        if {"a", "b"} <= set(carried):
+            ordinary_failures += allowed is None
+            out = q.failed(carried)
+        else:
+            out = q.passed(carried)
+            if allowed is None and not out:
+                break
+        for i in out:
+            ended.append(i)
+            alive.remove(i)
+    assert sorted(ended) == ["a", "b"] and ordinary_failures == MAX_STRIKES
+    # One bad request among 32 (its halves never both pass) is found as before.
+    assert _bisect([f"r{i}" for i in range(32)], {"r7"})[0] == ["r7"]
 
 
 def test_suspects_that_leave_are_forgotten():
@@ -214,6 +237,33 @@ def test_a_forward_that_fails_whenever_one_request_is_in_it_ends_that_request(
     # It failed in the whole batch, then in the half holding r1, then alone: ended.
     assert failed == [["r0", "r1", "r2"], ["r0", "r1"], [BAD]]
     _check_survivors_and_serve_on(engine, target_dir, res)
+
+
+def test_requests_whose_trees_fail_only_together_end_and_the_third_finishes(
+    target_dir, monkeypatch
+):
+    """The forward raises whenever r0's and r1's trees are in it together (each runs
+    clean alone). Bisection never finds a culprit, so after MAX_STRIKES bisections both
+    end; r2, cleared apart from them, finishes with the target's own output."""
+    engine = make_engine(target_dir, target_dir)
+    forward = engine.target.forward
+    failures = 0
+
+    def failing_forward(items, chunks):
+        nonlocal failures
+        if {"r0", "r1"} <= {it.seq_id for it in items}:
+            failures += 1
+            raise RuntimeError("fails only with both")
+        return forward(items, chunks)
+
+    monkeypatch.setattr(engine.target, "forward", failing_forward)
+    res = _error_message(engine, _submit_three(engine), monkeypatch)
+    assert res["finish"] == {"r0": "error", "r1": "error", "r2": "length"}
+    assert "internal error in this request (batch" in (res["errors"]["r0"] or "")
+    assert res["tokens"]["r2"] == hf_greedy(target_dir, PROMPTS[2], LENGTHS[2])
+    # Each round: the whole batch fails, then its half holding both; halves of that run.
+    assert failures == 2 * MAX_STRIKES
+    assert engine.target.kv_usage() == 0.0
 
 
 def test_a_logits_processor_raising_inside_the_real_forward_ends_its_request(
