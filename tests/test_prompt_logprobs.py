@@ -193,3 +193,22 @@ def test_preempted_mid_prefill_the_prompt_is_scored_again_from_the_start(target_
             break
     assert got is not None
     _check(got.prompt_logprobs, hf_prompt_logprobs(target_dir, PROMPT), 2)
+
+
+def test_scored_logprobs_in_row_blocks_equal_one_pass(monkeypatch) -> None:
+    from adaserve import logits_process
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 50, generator=g)
+    tokens = torch.randint(0, 50, (37,), generator=g).numpy().astype(np.int32)
+    whole = logits_process.scored_logprobs(logits, tokens, 4)
+    monkeypatch.setattr(logits_process, "SCORE_ROWS", 8)
+    blocks = logits_process.scored_logprobs(logits, tokens, 4)
+    for a, b in zip(
+        (whole.logprobs, whole.top_ids, whole.top_logprobs, whole.ranks),
+        (blocks.logprobs, blocks.top_ids, blocks.top_logprobs, blocks.ranks),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    ref = torch.log_softmax(logits, dim=-1).numpy()
+    np.testing.assert_allclose(whole.logprobs, ref[np.arange(37), tokens], atol=1e-6)
