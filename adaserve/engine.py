@@ -167,6 +167,8 @@ class _Request:
     # Tokens that end the output (eos unless ignore_eos, stop_token_ids): min_tokens
     # holds them back, the grammar never consumes them.
     stop_ids: tuple[int, ...] = ()
+    # prompt_logprobs: what the prefill chunks scored so far (prompt tokens 1, 2, ...)
+    prompt_lp: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:
@@ -179,6 +181,12 @@ class _Request:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < self.prefill_target
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill still owes the prompt's logprobs (sent with the first token): the
+        prompt is computed in full, never taken from the prefix cache."""
+        return self.req.sampling.prompt_logprobs is not None and self.num_generated == 0
 
     @property
     def deadline(self) -> float | None:
@@ -594,11 +602,16 @@ class Engine:
             emitted = sum(len(res.emitted_tokens) for res in result.verified)
             self._observe_tpot(len(step.decoding), emitted, (t3 - start) * 1000.0)
         first_lp = result.first_logprobs or [None] * len(step.chunks)
-        for (r, chunk), first, lp in zip(step.chunks, result.first_tokens, first_lp, strict=True):
+        prompt_lp = result.prompt_logprobs or [None] * len(step.chunks)
+        for (r, chunk), first, lp, plp in zip(
+            step.chunks, result.first_tokens, first_lp, prompt_lp, strict=True
+        ):
             r.prefilled += len(chunk.tokens)
+            if plp is not None:
+                r.prompt_lp.append(plp)
             if first is not None:
                 with self._guard(r, "apply"):
-                    self._apply(r, [first], t3, lp)
+                    self._apply(r, [first], t3, lp, self._prompt_logprobs(r))
         # A suspect is cleared by a tree of its own: a prompt chunk may not be what broke.
         together = set(self._quarantine.passed([r.req.id for r in step.decoding]))
         for r in [r for r in self._running.values() if r.req.id in together]:
@@ -679,7 +692,19 @@ class Engine:
                     logits = self._logits_context(r, first_masks)
                 if r.finished:
                     continue
-            chunk = PrefillChunk(rid, toks, r.prefilled, last, r.req.sampling, r.generator, logits)
+            scored, k = None, 0
+            if r.scores_prompt:
+                if r.prefilled == 0:  # (again, after a preemption): from the start
+                    r.prompt_lp = []
+                prompt = r.req.prompt_token_ids
+                scored = np.asarray(
+                    prompt[r.prefilled + 1 : min(r.prefilled + n + 1, len(prompt))],
+                    dtype=np.int32,
+                )
+                k = r.req.sampling.prompt_logprobs or 0
+            chunk = PrefillChunk(
+                rid, toks, r.prefilled, last, r.req.sampling, r.generator, logits, scored, k
+            )
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
 
@@ -1027,8 +1052,27 @@ class Engine:
         metrics.preemptions_total.inc()
         log.debug("preempted %s (%d tokens) for KV", r.req.id, len(r.tokens))
 
+    def _prompt_logprobs(self, r: _Request) -> TokenLogprobs | None:
+        """The prompt's logprobs its prefill gathered, sent with its first token; every
+        prompt token but the first must be scored (RuntimeError: the request fails)."""
+        if not r.scores_prompt:
+            return None
+        got = TokenLogprobs.concat(r.prompt_lp) if r.prompt_lp else None
+        n = 0 if got is None else got.logprobs.shape[0]
+        if n != r.num_prompt - 1 or got is None:
+            raise RuntimeError(
+                f"prompt logprobs: prefill scored {n} of the prompt's {r.num_prompt - 1} tokens"
+            )
+        r.prompt_lp = []
+        return got
+
     def _apply(
-        self, r: _Request, emitted: list[int], now: float, logprobs: TokenLogprobs | None = None
+        self,
+        r: _Request,
+        emitted: list[int],
+        now: float,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
     ) -> None:
         """Commit emitted tokens to the request: stop checks, detokenize, stream."""
         if r.finished:
@@ -1078,6 +1122,7 @@ class Engine:
                 ttft_ms=(now - r.arrival) * 1000.0 if first else None,
                 best_effort=r.best_effort,
                 logprobs=None if logprobs is None else logprobs.head(len(kept)),
+                prompt_logprobs=prompt_logprobs,
             )
         )
         if finish is not None:
@@ -1210,7 +1255,9 @@ class Engine:
             tokens = r.tokens[: r.prefill_target]
             self._running[r.req.id] = r
             with self._guard(r, "admit"):
-                r.prefilled = self.target.add_sequence(r.req.id, tokens)
+                r.prefilled = self.target.add_sequence(
+                    r.req.id, tokens, use_cache=not r.scores_prompt
+                )
                 metrics.prefix_cache_queries.inc(len(tokens))
                 metrics.prefix_cache_hits.inc(r.prefilled)
         metrics.num_running.set(len(self._running))
@@ -1392,7 +1439,9 @@ class Engine:
         self.target.free(r.req.id)
         self._release_drafts(r)
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
-        r.prefilled = self.target.add_sequence(r.req.id, r.tokens[: r.prefill_target])
+        r.prefilled = self.target.add_sequence(
+            r.req.id, r.tokens[: r.prefill_target], use_cache=not r.scores_prompt
+        )
 
     def _flush_releases(self) -> None:
         for drafter in (self.drafter, self.ngram):

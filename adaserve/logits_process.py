@@ -169,6 +169,31 @@ def _penalize(
                 row[ids] -= sp.frequency_penalty * c + sp.presence_penalty * (c > 0).float()
 
 
+SCORE_ROWS = 128  # rows log-softmaxed at once: the temporaries stay [128, V]
+
+
+def scored_logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int) -> TokenLogprobs:
+    """`token_logprobs` plus each token's rank in its row (1: the most likely; ties
+    count in the token's favour), on whatever device `logits` [m, V] is, SCORE_ROWS
+    rows at a time: only the m x (k + 2) values come back to the host (prompt
+    logprobs, one prefill chunk at a time)."""
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=logits.device)
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for a in range(0, logits.shape[0], SCORE_ROWS):
+        lp = torch.log_softmax(logits[a : a + SCORE_ROWS].float(), dim=-1)
+        chosen = lp.gather(1, ids[a : a + SCORE_ROWS, None])
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        top_lp, top_ids = torch.topk(lp, k, dim=-1, sorted=True)
+        parts.append((chosen[:, 0], top_ids, top_lp, ranks))
+    chosen, top_ids, top_lp, ranks = (torch.cat(p).cpu().numpy() for p in zip(*parts, strict=True))
+    return TokenLogprobs(
+        chosen.astype(np.float32),
+        top_ids.astype(np.int32),
+        top_lp.astype(np.float32),
+        ranks.astype(np.int32),
+    )
+
+
 def token_logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int) -> TokenLogprobs:
     """Log-probabilities of `tokens[i]` under row i of the raw `logits` [m, V], and each
     row's k most likely tokens (descending)."""

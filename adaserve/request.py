@@ -70,6 +70,11 @@ class SamplingParams:
     # None: off; k >= 0: each emitted token's log-probability under the target and the k
     # most likely tokens at its position (the model's own distribution, before processors)
     logprobs: int | None = None
+    # None: off; k >= 0: every prompt token's log-probability (but the first's, which
+    # nothing scores) and rank under the target, and the k most likely tokens at its
+    # position (vLLM's prompt_logprobs: raw log-softmax). Computed during prefill, so
+    # such a request's prompt is never taken from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -126,6 +131,11 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        k = self.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise ValueError(f"prompt_logprobs must be None or an integer, got {k!r}")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got {k}")
 
     @property
     def processes_logits(self) -> bool:
@@ -202,16 +212,23 @@ class TokenLogprobs:
     logprobs: np.ndarray  # float32 [m]: log p(token i)
     top_ids: np.ndarray  # int32 [m, k]: the k most likely tokens at each position
     top_logprobs: np.ndarray  # float32 [m, k]: their log-probabilities, descending
+    # int32 [m]: each token's rank in its row (1: the most likely); prompt logprobs only
+    ranks: np.ndarray | None = None
 
     def head(self, n: int) -> TokenLogprobs:
-        return TokenLogprobs(self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
+        ranks = None if self.ranks is None else self.ranks[:n]
+        return TokenLogprobs(self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n], ranks)
 
     @staticmethod
     def concat(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        ranks = None
+        if parts and all(p.ranks is not None for p in parts):
+            ranks = np.concatenate([p.ranks for p in parts if p.ranks is not None])
         return TokenLogprobs(
             np.concatenate([p.logprobs for p in parts]),
             np.concatenate([p.top_ids for p in parts]),
             np.concatenate([p.top_logprobs for p in parts]),
+            ranks,
         )
 
 
@@ -226,6 +243,9 @@ class TokenDelta:
     best_effort: bool = False  # SLO judged unattainable at admission (policy setting)
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # of token_ids, when the request asked for them
+    # With the first token, when the request asked for prompt_logprobs: prompt tokens
+    # 1 .. P-1, each scored by the row before it (token 0 has no logprob).
+    prompt_logprobs: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

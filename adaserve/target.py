@@ -15,7 +15,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from adaserve.logits_process import LogitsContext, process_rows_, token_logprobs
+from adaserve.logits_process import (
+    LogitsContext,
+    process_rows_,
+    scored_logprobs,
+    token_logprobs,
+)
 from adaserve.request import SamplingParams, TokenLogprobs
 from adaserve.sampling import TokenRng
 from adaserve.tree import CandidateTree
@@ -45,6 +50,11 @@ class PrefillChunk:
     sampling: SamplingParams
     generator: TokenRng | None
     logits: LogitsContext | None = None  # processing of the first token's row (last chunk)
+    # Prompt logprobs: the prompt tokens this chunk's rows score (row i scores the token
+    # after tokens[i]: tokens[1:] and the next chunk's first, so one fewer in the last
+    # chunk) and the top-k to return; None: not asked.
+    scored: np.ndarray | None = None
+    prompt_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,9 @@ class ForwardResult:
     first_tokens: list[int | None]  # one per chunk: the first output token of a last chunk
     # one per chunk, where its request asked for logprobs and it gave a first token
     first_logprobs: list[TokenLogprobs | None] | None = None
+    # one per chunk, where it asked for prompt logprobs (`PrefillChunk.scored`): the
+    # scored tokens' logprobs, ranks and top-k (raw log-softmax)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TargetModel(Protocol):
@@ -62,9 +75,10 @@ class TargetModel(Protocol):
     block_size: int  # tokens per KV block
     num_blocks: int  # KV blocks in all
 
-    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+    def add_sequence(self, seq_id: str, tokens: Sequence[int], use_cache: bool = True) -> int:
         """Start a request's KV sequence for the prompt `tokens`; returns how many of
-        them the prefix cache holds already (the rest is prefilled in chunks)."""
+        them the prefix cache holds already (the rest is prefilled in chunks). With
+        `use_cache` False none are taken from it (prompt logprobs need every row)."""
         ...
 
     def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
@@ -112,6 +126,15 @@ def _process(logits: torch.Tensor, trees: Sequence[VerifyItem]) -> dict[int, tor
     return raw
 
 
+def _no_logprobs(k: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        np.zeros(0, np.float32),
+        np.zeros((0, k), np.int32),
+        np.zeros((0, k), np.float32),
+        np.zeros(0, np.int32),
+    )
+
+
 class RunnerTarget:
     """TargetModel over an `adaserve.model.runner.ModelRunner`."""
 
@@ -123,8 +146,8 @@ class RunnerTarget:
         self.block_size = int(runner.block_size)
         self.num_blocks = int(runner.num_blocks)
 
-    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
-        return self.runner.add_sequence(seq_id, tokens)
+    def add_sequence(self, seq_id: str, tokens: Sequence[int], use_cache: bool = True) -> int:
+        return self.runner.add_sequence(seq_id, tokens, use_cache)
 
     def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
         from adaserve.model.runner import SeqInput
@@ -132,11 +155,18 @@ class RunnerTarget:
         inputs = [SeqInput(it.seq_id, it.tree.tokens, it.tree.parents) for it in trees]
         inputs += [SeqInput.chain(c.seq_id, c.tokens, prefill=True) for c in chunks]
         # Logits for every tree node and for the last row of each completed prompt: the
-        # LM head is skipped for the rest of the chunk rows.
+        # LM head is skipped for the rest of the chunk rows, but for the rows of chunks
+        # that score their prompt (prompt logprobs).
         rows = list(range(sum(len(it.tree) for it in trees)))
         pos = len(rows)
         finals = []
+        scoring: list[int | None] = []  # per chunk: where its scored rows start in rows
         for c in chunks:
+            if c.scored is not None and len(c.scored):
+                scoring.append(len(rows))
+                rows.extend(range(pos, pos + len(c.scored)))
+            else:
+                scoring.append(None)
             pos += len(c.tokens)
             if c.last:
                 finals.append(len(rows))
@@ -163,10 +193,18 @@ class RunnerTarget:
             self.runner.commit(it.seq_id, res.accepted_nodes)
         first: list[int | None] = []
         first_lp: list[TokenLogprobs | None] = []
+        prompt_lp: list[TokenLogprobs | None] = []
         finals_iter = iter(finals)
         root = CandidateTree.root_only(0)  # token unused: only its logits matter
-        for c in chunks:
+        for c, at in zip(chunks, scoring, strict=True):
             self.runner.commit(c.seq_id, range(len(c.tokens)))
+            if c.scored is None:
+                prompt_lp.append(None)
+            elif at is None:  # a one-token last chunk scores nothing
+                prompt_lp.append(_no_logprobs(c.prompt_logprobs))
+            else:  # one chunk's [rows, V] at most, reduced to top-k on the device
+                block = logits[at : at + len(c.scored)]
+                prompt_lp.append(scored_logprobs(block, c.scored, c.prompt_logprobs))
             if not c.last:
                 first.append(None)
                 first_lp.append(None)
@@ -181,7 +219,7 @@ class RunnerTarget:
             res = verify_tree(root, row, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
             first.append(int(res.emitted_tokens[0]))
             first_lp.append(None if k is None else token_logprobs(raw_row, res.emitted_tokens, k))
-        return ForwardResult(verified, first, first_lp)
+        return ForwardResult(verified, first, first_lp, prompt_lp)
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -362,6 +362,50 @@ def _echo(gen: Generation) -> str | None:
     return gen.header.prompt_text if gen.header else ""
 
 
+def _echo_now(gen: Generation) -> str | None:
+    """The echo sent before any chunk: all of it, unless the prompt's logprobs go with
+    it (they come with the first chunk; the echo waits for them)."""
+    return None if gen.spec.prompt_logprobs is not None else _echo(gen)
+
+
+class _Choices:
+    """Which generation each response choice belongs to, and what each choice still
+    needs before its first chunk: the echo with the prompt's logprobs, vLLM's
+    prompt_logprobs field; max_tokens 0 (echo only) hides the token generated."""
+
+    def __init__(self, gens: list[Generation], fmt: Formatter) -> None:
+        self.fmt = fmt
+        self.owner = {p * g.spec.n + i: g for p, g in enumerate(gens) for i in range(g.spec.n)}
+        self.started: set[int] = set()
+
+    def chunk(self, index: int, c: Chunk) -> Chunk:
+        gen = self.owner[index]
+        if gen.spec.echo_only:
+            c = replace(
+                c,
+                token_ids=(),
+                text="",
+                logprobs=None,
+                num_generated=0,
+                finish_reason=None if c.finish_reason is None else "length",
+            )
+        return c
+
+    def first(self, index: int) -> tuple[Generation, str | None] | None:
+        """The choice's generation and its deferred echo text, the first time only."""
+        if index in self.started:
+            return None
+        self.started.add(index)
+        gen = self.owner[index]
+        fmt = self.fmt
+        if gen.prompt is not None and gen.spec.prompt_logprobs_field is not None:
+            fmt.set_prompt_logprobs(
+                None if fmt.kind == "chat" else index, gen.prompt, gen.spec.prompt_logprobs_field
+            )
+        text = _echo(gen) if gen.spec.prompt_logprobs is not None else None
+        return gen, text
+
+
 async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
     """(response choice index, chunk) from every generation as they come."""
     if len(gens) == 1:
@@ -405,11 +449,18 @@ async def _events(gens: list[Generation], fmt: Formatter) -> AsyncIterator[str]:
     done: dict[int, int] = {}  # choice -> its tokens, once finished
     total = sum(g.spec.n for g in gens)
     for p, gen in enumerate(gens):
-        if (text := _echo(gen)) is not None:
+        if (text := _echo_now(gen)) is not None:
             for i in range(gen.spec.n):
                 yield sse(fmt.text_frame(p * gen.spec.n + i, text))
+    book = _Choices(gens, fmt)
     try:
-        async for index, chunk in _merged(gens):
+        async for index, raw in _merged(gens):
+            chunk = book.chunk(index, raw)
+            if (started := book.first(index)) is not None:
+                gen, text = started
+                if text is not None:  # the echo with the prompt's logprobs
+                    k = gen.spec.logprobs or 0
+                    yield sse(fmt.text_frame(index, text, gen.prompt, k))
             frame = fmt.chunk(chunk, index)
             if chunk.finish_reason is not None:
                 done[index] = chunk.num_generated
@@ -429,10 +480,16 @@ async def _events(gens: list[Generation], fmt: Formatter) -> AsyncIterator[str]:
 
 async def _collect(gens: list[Generation], fmt: Formatter, n: int) -> dict[str, Any]:
     for p, gen in enumerate(gens):
-        if (text := _echo(gen)) is not None:
+        if (text := _echo_now(gen)) is not None:
             for i in range(gen.spec.n):
                 fmt.prefix(p * gen.spec.n + i, text)
-    async for index, chunk in _merged(gens):
+    book = _Choices(gens, fmt)
+    async for index, raw in _merged(gens):
+        chunk = book.chunk(index, raw)
+        if (started := book.first(index)) is not None:
+            gen, text = started
+            if text is not None:  # the echo with the prompt's logprobs
+                fmt.prefix(index, text, gen.prompt, gen.spec.logprobs or 0)
         fmt.add(chunk, index)
     prompt_tokens = sum(g.header.num_prompt_tokens for g in gens if g.header)
     choices = None

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 
@@ -45,6 +46,16 @@ class Header:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """The prompt's log-probabilities (prompt_logprobs, echo with logprobs): entry i of
+    `logprobs` scores `ids[i + 1]` (the first prompt token has none)."""
+
+    ids: tuple[int, ...]
+    logprobs: TokenLogprobs  # ranks set
+    pieces: dict[int, str]  # the text of every id (prompt and top ids), alone
+
+
+@dataclass(frozen=True)
 class Chunk:
     token_ids: tuple[int, ...]
     text: str
@@ -54,6 +65,7 @@ class Chunk:
     index: int = 0  # which of the request's n sequences
     logprobs: TokenLogprobs | None = None  # of token_ids, when asked for
     pieces: dict[int, str] | None = None  # the text of every token id in logprobs
+    prompt: PromptScores | None = None  # sequence 0's first chunk, when asked for
 
 
 class Gateway:
@@ -129,6 +141,8 @@ class Generation:
         self._leased: Unit | None = None  # counted in its outstanding requests
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._text: list[str] = []  # only kept when settings.log_prompts
+        # The prompt's logprobs once they came (spec.prompt_logprobs), for every choice.
+        self.prompt: PromptScores | None = None
         self._closed = False
 
     async def submit(self, unit: Unit) -> None:
@@ -213,6 +227,11 @@ class Generation:
                     self.status = 502
                     raise APIError(502, f"serving unit sent bad logprobs: {exc}") from exc
                 pieces = dict(msg.logprobs.pieces)
+            if msg.HasField("prompt_logprobs"):
+                self.prompt = self._prompt_scores(msg)
+            elif self.spec.prompt_logprobs is not None and self.prompt is None:
+                self.status = 502
+                raise APIError(502, "serving unit sent no prompt logprobs")
             yield Chunk(
                 tuple(msg.token_ids),
                 msg.text,
@@ -222,6 +241,7 @@ class Generation:
                 msg.index,
                 logprobs,
                 pieces,
+                self.prompt,
             )
             if reason is not None:
                 left.discard(msg.index)
@@ -229,6 +249,19 @@ class Generation:
                 if not left:
                     self.status = 200
                     return
+
+    def _prompt_scores(self, msg: Any) -> PromptScores:
+        ids = tuple(msg.prompt_token_ids)
+        try:
+            if len(ids) != msg.num_prompt_tokens:
+                raise WireError(f"{len(ids)} prompt_token_ids for {msg.num_prompt_tokens} tokens")
+            lp = logprobs_from_pb(msg.prompt_logprobs, max(len(ids) - 1, 0), "prompt_logprobs")
+            if lp.ranks is None and ids[1:]:
+                raise WireError("prompt_logprobs: no ranks")
+        except WireError as exc:
+            self.status = 502
+            raise APIError(502, f"serving unit sent bad prompt logprobs: {exc}") from exc
+        return PromptScores(ids, lp, dict(msg.prompt_logprobs.pieces))
 
     def slo_summary(self) -> dict[str, object]:
         """adaserve's extra response field: the SLO the request ran under, whether it

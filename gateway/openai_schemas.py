@@ -147,7 +147,6 @@ _REFUSED_COMMON = {
     "truncate_prompt_tokens": _refuse(
         lambda v: v is not None, "truncate_prompt_tokens is not supported"
     ),
-    "prompt_logprobs": _refuse(lambda v: v is not None, "prompt_logprobs is not supported"),
     "logits_processors": _refuse(_set, "custom logits_processors are not supported"),
     "guided_whitespace_pattern": _refuse(
         lambda v: v is not None, "guided_whitespace_pattern is not supported"
@@ -238,6 +237,9 @@ class _Common(_Body):
     )
     allowed_token_ids: list[TokenId] | None = Field(default=None, max_length=65536)
     return_tokens_as_token_ids: bool = False
+    # vLLM: the prompt's logprobs and the top k at each position (gateway.spec checks
+    # the bound, naming the server's limit)
+    prompt_logprobs: int | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
@@ -253,7 +255,6 @@ class _Common(_Body):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
     guided_decoding_backend: Any = None
@@ -323,6 +324,8 @@ class _Common(_Body):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # 0 with echo (vLLM): the prompt alone (and its logprobs), nothing generated
+    max_tokens: int | None = Field(default=None, ge=0, le=_INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=128)
@@ -351,6 +354,8 @@ class CompletionRequest(_Common):
     def _best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 (nothing generated) needs echo: true")
         return self
 
 

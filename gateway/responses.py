@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.core import Chunk
+from gateway.core import Chunk, PromptScores
 from gateway.tools import ToolPlan, ToolStream, parse
 
 DONE_FRAME = "data: [DONE]\n\n"
@@ -53,6 +53,7 @@ class _Choice:
     pending_completion: dict[str, list[Any]] = field(default_factory=dict)
     logprob_sum: float = 0.0  # cumulative logprob of the sequence (best_of ranks by it)
     tools: ToolStream | None = None  # streamed chat with tools: content vs tool calls
+    prompt_logprobs: list[Any] | None = None  # vLLM's prompt_logprobs field, when asked
 
 
 class Formatter:
@@ -80,6 +81,7 @@ class Formatter:
         self.tools = tools
         self.tool_format = tool_format
         self.choices: dict[int, _Choice] = {}
+        self.prompt_logprobs: list[Any] | None = None  # chat: vLLM's response-level field
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -139,6 +141,27 @@ class Formatter:
                 pc.setdefault("text_offset", []).append(ch.offset)
                 ch.offset += len(token)
 
+    def _take_prompt(self, ch: _Choice, prompt: PromptScores, k: int) -> None:
+        """The echoed prompt's entries (completions): the first token's logprob and
+        top_logprobs are null, as OpenAI and vLLM send them; text_offset counts from
+        where the choice's text starts."""
+        pc = ch.pending_completion
+        lp, pieces = prompt.logprobs, prompt.pieces
+        for i, tok in enumerate(prompt.ids):
+            token = self._token(tok, pieces)
+            pc.setdefault("tokens", []).append(token)
+            pc.setdefault("text_offset", []).append(ch.offset)
+            ch.offset += len(token)
+            if i == 0:
+                pc.setdefault("token_logprobs", []).append(None)
+                pc.setdefault("top_logprobs", []).append(None)
+                continue
+            top = zip(lp.top_ids[i - 1][:k], lp.top_logprobs[i - 1][:k], strict=True)
+            pc.setdefault("token_logprobs", []).append(_finite(lp.logprobs[i - 1]))
+            pc.setdefault("top_logprobs", []).append(
+                {self._token(int(t), pieces): _finite(v) for t, v in top}
+            )
+
     def _flush_logprobs(self, ch: _Choice) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
@@ -190,10 +213,16 @@ class Formatter:
         }
         return self._envelope("text_completion", [choice])
 
-    def text_frame(self, index: int, text: str) -> dict[str, Any]:
-        """A completions frame of text alone (echo: the prompt before the output)."""
+    def text_frame(
+        self, index: int, text: str, prompt: PromptScores | None = None, k: int = 0
+    ) -> dict[str, Any]:
+        """A completions frame of text alone (echo: the prompt before the output, with
+        its tokens' logprobs when `prompt` is given, each with its top k)."""
         ch = self._choice(index)
-        ch.offset += len(text)
+        start = ch.offset
+        if prompt is not None and self.logprobs:
+            self._take_prompt(ch, prompt, k)
+        ch.offset = start + len(text)
         logprobs = self._flush_logprobs(ch) if self.logprobs else None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._envelope("text_completion", [choice])
@@ -215,11 +244,24 @@ class Formatter:
         if c.finish_reason is not None:
             ch.finish_reason = c.finish_reason
 
-    def prefix(self, index: int, text: str) -> None:
-        """Text before a choice's output (echo)."""
+    def prefix(self, index: int, text: str, prompt: PromptScores | None = None, k: int = 0) -> None:
+        """Text before a choice's output (echo), called before any of its chunks; with
+        `prompt`, its tokens' logprobs (each with its top k) come first too."""
         ch = self._choice(index)
         ch.text.insert(0, text)
-        ch.offset += len(text)
+        start = ch.offset
+        if prompt is not None and self.logprobs:
+            self._take_prompt(ch, prompt, k)
+        ch.offset = start + len(text)
+
+    def set_prompt_logprobs(self, index: int | None, prompt: PromptScores, k: int) -> None:
+        """vLLM's prompt_logprobs field: of choice `index` (completions), or of the
+        response (chat: index None)."""
+        value = vllm_prompt_logprobs(prompt, k, self.tokens_as_ids)
+        if index is None:
+            self.prompt_logprobs = value
+        else:
+            self._choice(index).prompt_logprobs = value
 
     def body(self, index: int) -> dict[str, Any]:
         """One choice of the full response."""
@@ -240,12 +282,15 @@ class Formatter:
                 "logprobs": logprobs,
                 "finish_reason": reason,
             }
-        return {
+        out = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": ch.finish_reason,
         }
+        if ch.prompt_logprobs is not None:
+            out["prompt_logprobs"] = ch.prompt_logprobs
+        return out
 
     def full(
         self, prompt_tokens: int, choices: list[dict[str, Any]] | None = None
@@ -254,7 +299,7 @@ class Formatter:
         if choices is None:
             choices = [self.body(i) for i in sorted(self.choices)]
         completion = sum(ch.completion_tokens for ch in self.choices.values())
-        return {
+        out = {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
@@ -262,3 +307,35 @@ class Formatter:
             "choices": choices,
             "usage": usage(prompt_tokens, completion),
         }
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
+        return out
+
+
+_MIN_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity), as vLLM does
+
+
+def _finite(v: Any) -> float:
+    return max(float(v), _MIN_LOGPROB)
+
+
+def vllm_prompt_logprobs(
+    prompt: PromptScores, k: int, tokens_as_ids: bool = False
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token a dict
+    from token id (a JSON string) to {logprob, rank, decoded_token}: the prompt's own
+    token first, then the top k (rank 1 the most likely)."""
+    lp, pieces = prompt.logprobs, prompt.pieces
+    assert lp.ranks is not None
+
+    def entry(tok: int, v: Any, rank: int) -> dict[str, Any]:
+        text = f"token_id:{tok}" if tokens_as_ids else pieces.get(tok, "")
+        return {"logprob": _finite(v), "rank": rank, "decoded_token": text}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for i, tok in enumerate(prompt.ids[1:]):
+        pos = {str(tok): entry(tok, lp.logprobs[i], int(lp.ranks[i]))}
+        for r, (t, v) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], strict=True)):
+            pos.setdefault(str(int(t)), entry(int(t), v, r + 1))
+        out.append(pos)
+    return out

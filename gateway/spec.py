@@ -20,6 +20,7 @@ from adaserve.config import Settings
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.errors import bad_request
 from gateway.openai_schemas import (
+    MAX_TOP_LOGPROBS,
     REQUEST_ID_RE,
     ChatCompletionRequest,
     ChatMessage,
@@ -93,6 +94,11 @@ class GenerateSpec:
     n: int = 1  # sequences the unit generates for this prompt
     echo: bool = False  # completions: the prompt's text before the output
     logprobs: int | None = None  # None: none; k: each token's logprob and the top k
+    # What the unit scores the prompt with (top k; None: not at all): the larger of
+    # vLLM's prompt_logprobs and, with echo, logprobs.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_field: int | None = None  # vLLM's prompt_logprobs as asked (the field)
+    echo_only: bool = False  # completions' max_tokens 0 with echo: generate 1, show none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -164,6 +170,8 @@ class GenerateSpec:
             sampling.seed = self.seed
         if self.logprobs is not None:
             sampling.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            sampling.prompt_logprobs = self.prompt_logprobs
         if self.structured is not None:
             sampling.structured_output.CopyFrom(self.structured.to_pb())
         req = vpb.GenerateRequest(
@@ -342,6 +350,31 @@ def _check_limits(
         )
 
 
+def _check_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's prompt_logprobs: in [0, MAX_TOP_LOGPROBS], and not with stream (as in
+    vLLM)."""
+    k = body.prompt_logprobs
+    if k is None:
+        return
+    if k < 0:
+        raise bad_request(
+            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k} (-1, the whole "
+            "vocabulary, is not supported)",
+            param="prompt_logprobs",
+        )
+    if k > MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs must be at most {MAX_TOP_LOGPROBS} (the server's max_logprobs), "
+            f"got {k}",
+            param="prompt_logprobs",
+        )
+    if body.stream:
+        raise bad_request(
+            "prompt_logprobs is not available with stream: true (as in vLLM)",
+            param="prompt_logprobs",
+        )
+
+
 def _common(
     body: CompletionRequest | ChatCompletionRequest,
     settings: Settings,
@@ -349,6 +382,7 @@ def _common(
     known_classes: set[str],
 ) -> dict:
     check_fields(body, settings)
+    _check_prompt_logprobs(body)
     check_slo_class(body.slo_class, known_classes)
     tpot = body.tpot_slo_ms
     if tpot is None and body.slo_class is None:
@@ -384,6 +418,8 @@ def _common(
         allowed_token_ids=tuple(body.allowed_token_ids or ()),
         structured=_structured(body),
         tokens_as_ids=body.return_tokens_as_token_ids,
+        prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs_field=body.prompt_logprobs,
     )
 
 
@@ -409,18 +445,22 @@ def from_completion(
         )
     if body.best_of is not None and body.best_of > body.n and body.stream:
         raise bad_request("best_of > n cannot be streamed (as in OpenAI)", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs: the prompt's logprobs are not supported",
-            param="echo",
-            code="unsupported",
-        )
     common = _common(body, settings, headers, known)
     # best_of: rank best_of sequences by their cumulative logprob, so ask for them.
     logprobs = body.logprobs
     if body.best_of is not None and body.best_of > body.n and logprobs is None:
         logprobs = 0
-    common |= {"n": n, "logprobs": logprobs, "echo": body.echo}
+    # echo with logprobs: the echoed prompt's tokens come with theirs (OpenAI, vLLM).
+    wanted = [
+        k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None
+    ]
+    common |= {
+        "n": n,
+        "logprobs": logprobs,
+        "echo": body.echo,
+        "prompt_logprobs": max(wanted) if wanted else None,
+    }
+    echo_only = body.max_tokens == 0
     specs = []
     for prompt in prompts:
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
@@ -429,7 +469,10 @@ def from_completion(
                 kind="completion",
                 prompt_text=text,
                 prompt_token_ids=ids,
-                max_tokens=body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
+                # echo_only: one token is generated (the prefill computes its row anyway)
+                # and not shown.
+                max_tokens=1 if echo_only else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
+                echo_only=echo_only,
                 **common,
             )
         )

@@ -14,7 +14,7 @@ from adaserve.config import Settings
 from adaserve.request import TokenLogprobs
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway.auth import ApiKeys
-from gateway.core import Chunk
+from gateway.core import Chunk, PromptScores
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics, RequestTimes
 from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -201,6 +201,48 @@ def test_completion_logprobs_format_with_echo() -> None:
         "top_logprobs": [{"He": -0.5}, {"llo": -0.25}],
         "text_offset": [3, 5],
     }
+
+
+def test_echo_with_prompt_logprobs_and_vllms_field() -> None:
+    """The echoed prompt's entries come first (the first token's logprob and
+    top_logprobs null), then the output's; vLLM's prompt_logprobs keeps the prompt's
+    token and the top k with their ranks; -inf is sent as -9999 (JSON has no infinity)."""
+    scores = PromptScores(
+        (9, 8, 1),
+        TokenLogprobs(
+            np.array([-1.5, -np.inf], np.float32),
+            np.array([[3, 8], [1, 2]], np.int32),
+            np.array([[-0.5, -1.5], [-np.inf, -np.inf]], np.float32),
+            np.array([2, 1], np.int32),
+        ),
+        PIECES,
+    )
+    f = Formatter("completion", "cmpl-1", "m", include_usage=False, logprobs=True)
+    f.prefix(0, "HiloHe", scores, k=1)
+    lp = _lp([-0.25], [[(2, -0.25)]])
+    f.add(Chunk((2,), "llo", "length", 3, 1, logprobs=lp, pieces=PIECES))
+    f.set_prompt_logprobs(0, scores, 1)
+    (choice,) = f.full(3)["choices"]
+    assert choice["text"] == "HiloHello"
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", "lo", "He", "llo"],
+        "token_logprobs": [None, -1.5, -9999.0, -0.25],
+        "top_logprobs": [None, {" w": -0.5}, {"He": -9999.0}, {"llo": -0.25}],
+        "text_offset": [0, 2, 4, 6],
+    }
+    assert choice["prompt_logprobs"] == [
+        None,
+        {
+            "8": {"logprob": -1.5, "rank": 2, "decoded_token": "lo"},
+            "3": {"logprob": -0.5, "rank": 1, "decoded_token": " w"},
+        },
+        {"1": {"logprob": -9999.0, "rank": 1, "decoded_token": "He"}},
+    ]
+    # Streamed: the echo frame carries the prompt's entries.
+    s = Formatter("completion", "cmpl-1", "m", include_usage=False, logprobs=True)
+    frame = s.text_frame(0, "HiloHe", scores, k=2)
+    assert frame["choices"][0]["logprobs"]["tokens"] == ["Hi", "lo", "He"]
+    assert frame["choices"][0]["logprobs"]["top_logprobs"][1] == {" w": -0.5, "lo": -1.5}
 
 
 def test_api_keys() -> None:

@@ -62,7 +62,12 @@ def test_valid_request_without_units_is_503(gateway: str, path: str, body: dict)
 
 BAD = [
     ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, None),  # 0 needs echo
+    ("completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": "1"}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat/completions", {**CHAT, "prompt_logprobs": 99}, "prompt_logprobs"),
     ("completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
     ("completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
@@ -136,10 +141,8 @@ def test_invalid_request_is_400(gateway: str, path: str, body: dict, param: str 
 
 UNSUPPORTED = [
     ("completions", {"prompt": "x", "suffix": "end"}, "suffix"),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("completions", {"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
-    ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ("completions", {"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
     ("completions", {"prompt": "x", "include_stop_str_in_output": True}, None),
     ("completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"}, None),
@@ -183,6 +186,11 @@ def test_unsupported_feature_is_named(gateway: str, path: str, body: dict, param
 # Accepted: honoured, or a value that changes nothing (reaches routing: no unit, 503).
 ACCEPTED = [
     ("completions", {"prompt": ["a", "b"], "n": 2, "echo": True}),
+    ("completions", {"prompt": ["a", "b"], "echo": True, "logprobs": 1, "max_tokens": 1}),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}),
+    ("completions", {"prompt": "x", "echo": True, "max_tokens": 0}),
+    ("completions", {"prompt": "x", "prompt_logprobs": 0}),
+    ("chat/completions", {**CHAT, "prompt_logprobs": 20}),
     ("completions", {"prompt": [[1, 2], [3]], "best_of": 3, "logprobs": 2}),
     ("completions", {"prompt": "x", "skip_special_tokens": True, "length_penalty": 1.0}),
     ("completions", {"prompt": "x", "guided_decoding_backend": "guidance"}),

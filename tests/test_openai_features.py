@@ -314,6 +314,150 @@ def test_tokenize_and_detokenize(stacks: Stacks) -> None:
     assert bad.status_code == 404
 
 
+# ---- prompt logprobs: echo with logprobs, vLLM's prompt_logprobs --------------------------------
+
+
+def _hf_prompt_logprobs(stacks: Stacks, ids: list[int]) -> np.ndarray:
+    """[P - 1, V]: HF's log-softmax; row i scores ids[i + 1]."""
+    with torch.no_grad():
+        logits = _hf_model(str(stacks.target))(torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def test_lm_eval_harness_loglikelihood_request(stacks: Stacks) -> None:
+    """lm-evaluation-harness' local-completions loglikelihood request: the echoed
+    prompt's tokens come first, the first one's logprob null, the rest HF's log-softmax;
+    top_logprobs (k = 1) hold the greedy token, so its greedy match works. The same on
+    the speculative and the plain stack."""
+    prompts = ["The colour of the sky is blue", "Roses are red, violets are"]
+    kw = dict(model="tiny", max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234)
+    spec, plain = stacks.both(lambda c: c.completions.create(prompt=prompts, **kw))
+    assert len(spec.choices) == 2
+    for p, prompt in enumerate(prompts):
+        ids = stacks.tokenizer.encode(prompt)  # type: ignore[attr-defined]
+        ref = _hf_prompt_logprobs(stacks, ids)
+        for out in (spec, plain):
+            choice = out.choices[p]
+            lp = choice.logprobs
+            assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert "".join(lp.tokens[: len(ids)]) == prompt
+            got = lp.token_logprobs[1 : len(ids)]
+            np.testing.assert_allclose(got, ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+            decode = stacks.tokenizer.decode  # type: ignore[attr-defined]
+            for i, top in enumerate(lp.top_logprobs[1 : len(ids)]):
+                greedy = decode([int(ref[i].argmax())])
+                assert list(top) == [greedy]
+                assert top[greedy] == pytest.approx(float(ref[i].max()), abs=1e-4)
+            # The harness' own reading: the continuation's loglikelihood and greedy match.
+            ctxlen = len(ids) - 3
+            cont = lp.token_logprobs[ctxlen:-1]
+            assert sum(cont) == pytest.approx(
+                float(ref[np.arange(ctxlen - 1, len(ids) - 1), ids[ctxlen:]].sum()), abs=1e-3
+            )
+            greedy_match = all(
+                max(t, key=t.__getitem__) == tok
+                for t, tok in zip(lp.top_logprobs[ctxlen:-1], lp.tokens[ctxlen:-1], strict=True)
+            )
+            assert greedy_match == all(
+                int(ref[i].argmax()) == ids[i + 1] for i in range(ctxlen - 1, len(ids) - 1)
+            )
+            assert lp.text_offset[: len(ids)] == list(range(len(ids)))  # one character each
+        assert spec.choices[p].text == plain.choices[p].text
+    # Token-id prompts too (the harness sends ids): the tokens are the ids' pieces.
+    ids = [5, 6, 7, 40, 41]
+    out = stacks.spec.client().completions.create(prompt=[ids], **kw)
+    lp = out.choices[0].logprobs
+    ref = _hf_prompt_logprobs(stacks, ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:5], ref[range(4), ids[1:]], atol=1e-4)
+
+
+def test_echo_with_logprobs_streamed_and_echo_only(stacks: Stacks) -> None:
+    """Streamed, each choice's first frame is the echoed prompt with its logprobs; the
+    whole stream reads as the non-streamed response. max_tokens 0 (vLLM): the prompt
+    alone, nothing generated."""
+    client = stacks.spec.client()
+    kw = dict(
+        model="tiny", prompt=["Once upon", "A"], max_tokens=5, temperature=0, logprobs=2, echo=True
+    )
+    whole = client.completions.create(**kw)
+    got: dict[int, list] = {}
+    firsts: dict[int, Any] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c)
+            if c.logprobs is not None:
+                got.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    for i, prompt in enumerate(["Once upon", "A"]):
+        assert firsts[i].text == prompt and firsts[i].logprobs.token_logprobs[0] is None
+        assert len(firsts[i].logprobs.tokens) == len(prompt)
+        ref = whole.choices[i].logprobs.token_logprobs
+        assert got[i][0] is None and ref[0] is None
+        np.testing.assert_allclose(got[i][1:], ref[1:], atol=1e-5)
+    only = client.completions.create(
+        model="tiny", prompt="Roses", max_tokens=0, logprobs=1, echo=True
+    )
+    (choice,) = only.choices
+    assert choice.text == "Roses" and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == 5 and choice.logprobs.token_logprobs[0] is None
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == 5
+
+
+def test_vllm_prompt_logprobs_field(stacks: Stacks) -> None:
+    """vLLM's prompt_logprobs: per choice (completions) or per response (chat), None
+    then {token id: {logprob, rank, decoded_token}} with the prompt's own token and the
+    top k; HF's values; the same with and without speculation."""
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+    ids = stacks.tokenizer.encode("Hello there")  # type: ignore[attr-defined]
+    ref = _hf_prompt_logprobs(stacks, ids)
+    outs = [
+        httpx.post(f"{s.url}/v1/completions", json=body | {"prompt_logprobs": 2}, timeout=60).json()
+        for s in (stacks.spec, stacks.plain)
+    ]
+    for out in outs:
+        plp = out["choices"][0]["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        assert out["choices"][0]["logprobs"] is None  # logprobs were not asked
+        for i, pos in enumerate(plp[1:]):
+            own = pos[str(ids[i + 1])]
+            assert own["logprob"] == pytest.approx(float(ref[i, ids[i + 1]]), abs=1e-4)
+            assert own["rank"] == int((ref[i] > ref[i, ids[i + 1]]).sum()) + 1
+            assert own["decoded_token"] == "Hello there"[i + 1]
+            top = np.argsort(-ref[i])[:2]
+            for r, t in enumerate(top):
+                assert pos[str(int(t))]["rank"] == r + 1
+            assert len(pos) in (2, 3)
+    assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
+    chat = stacks.spec.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
+    plp = chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    chat_ids = stacks.chat_ids(MESSAGES)
+    assert len(plp) == len(chat_ids) and plp[0] is None
+    ref = _hf_prompt_logprobs(stacks, chat_ids)
+    got = [pos[str(t)]["logprob"] for pos, t in zip(plp[1:], chat_ids[1:], strict=True)]
+    np.testing.assert_allclose(got, ref[range(len(chat_ids) - 1), chat_ids[1:]], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"prompt_logprobs": -1}, {"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}],
+)
+def test_bad_prompt_logprobs_is_an_openai_400(stacks: Stacks, extra: dict) -> None:
+    r = httpx.post(
+        f"{stacks.spec.url}/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 1, **extra},
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "prompt_logprobs"
+    assert "prompt_logprobs" in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        stacks.spec.client().completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_body={"prompt_logprobs": 99}
+        )
+
+
 # ---- structured output ---------------------------------------------------------------------
 
 SCHEMAS = [

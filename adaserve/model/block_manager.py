@@ -88,14 +88,16 @@ class BlockManager:
 
     # -- sequences -------------------------------------------------------------------
 
-    def add(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
+    def add(self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True) -> int:
         """Start a sequence that will hold `tokens` (its prompt); returns how many of
         them are already in the cache (whole blocks, and never the last token, whose
-        logits the caller still needs). Those blocks are now referenced by it."""
+        logits the caller still needs). Those blocks are now referenced by it.
+        `use_cache` False: nothing is looked up (the caller needs every prompt row's
+        logits); the blocks it fills still enter the index."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         seq = self.seqs[seq_id] = _Seq()
-        if not self.prefix_caching or not tokens:
+        if not self.prefix_caching or not tokens or not use_cache:
             return 0
         bs = self.block_size
         usable = (len(tokens) - 1) // bs  # the last token is always computed

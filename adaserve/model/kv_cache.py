@@ -146,12 +146,13 @@ class PagedKVCache:
     def usage(self) -> float:
         return self.blocks.usage()
 
-    def add(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
+    def add(self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True) -> int:
         """A new sequence that will hold `tokens`: returns how many of them are cached
-        already (their KV is committed from the start; the caller computes the rest)."""
+        already (their KV is committed from the start; the caller computes the rest).
+        `use_cache` False: none (the prefix cache is not looked up)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        cached = self.blocks.add(seq_id, tokens)
+        cached = self.blocks.add(seq_id, tokens, use_cache)
         self.seqs[seq_id] = SequenceState(block_table=self.blocks.table(seq_id), committed=cached)
         return cached
 

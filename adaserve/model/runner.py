@@ -81,11 +81,12 @@ class ModelRunner:
 
     # -- sequence lifecycle ------------------------------------------------------------
 
-    def add_sequence(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
+    def add_sequence(self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True) -> int:
         """Start a sequence that will hold `tokens` (its prompt, when known): returns how
         many leading tokens the prefix cache already holds (committed from the start;
-        the caller forwards the rest)."""
-        return self.cache.add(seq_id, [int(t) for t in tokens])
+        the caller forwards the rest). `use_cache` False: 0, nothing looked up (a
+        request scoring its prompt needs every row); what it computes is still cached."""
+        return self.cache.add(seq_id, [int(t) for t in tokens], use_cache)
 
     def committed_len(self, seq_id: str) -> int:
         return self.cache.get(seq_id).committed

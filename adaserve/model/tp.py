@@ -42,6 +42,7 @@ READY_TIMEOUT_S = 600.0
 class AddSequence:
     seq_id: str
     tokens: list[int]
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ Command = AddSequence | Forward | Commit | Free | Shutdown
 def apply(runner: ModelRunner, cmd: Command) -> torch.Tensor | None:
     """Run one command on this rank's runner."""
     match cmd:
-        case AddSequence(seq_id, tokens):
+        case AddSequence(seq_id, tokens, use_cache):
             # Every rank's cache looks the prefix up alike: the same blocks are found.
-            return torch.tensor(runner.add_sequence(seq_id, tokens))
+            return torch.tensor(runner.add_sequence(seq_id, tokens, use_cache))
         case Forward(inputs, logits_indices, last_only):
             return runner.forward(inputs, logits_indices, last_only=last_only)
         case Commit(seq_id, keep):
@@ -166,10 +167,10 @@ class TPRunner:
         _broadcast(cmd, self._control)
         return apply(self.local, cmd)
 
-    def add_sequence(self, seq_id: str, tokens: Sequence[int] = ()) -> int:
+    def add_sequence(self, seq_id: str, tokens: Sequence[int] = (), use_cache: bool = True) -> int:
         if self.local.has_sequence(seq_id):  # fail here, not on every rank
             raise ValueError(f"sequence {seq_id!r} already exists")
-        cached = self._run(AddSequence(seq_id, [int(t) for t in tokens]))
+        cached = self._run(AddSequence(seq_id, [int(t) for t in tokens], use_cache))
         assert cached is not None
         return int(cached)
 

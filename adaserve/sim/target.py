@@ -91,8 +91,8 @@ class SimTarget:
 
     # ---- TargetModel ------------------------------------------------------------------
 
-    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
-        return self.blocks.add(seq_id, tokens)
+    def add_sequence(self, seq_id: str, tokens: Sequence[int], use_cache: bool = True) -> int:
+        return self.blocks.add(seq_id, tokens, use_cache)
 
     def forward(self, trees: Sequence[VerifyItem], chunks: Sequence[PrefillChunk]) -> ForwardResult:
         tree_tokens = sum(len(it.tree) for it in trees)

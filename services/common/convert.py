@@ -129,18 +129,27 @@ def logprobs_to_pb(lp: TokenLogprobs, pieces: dict[int, str]) -> verifier_pb2.To
         top_token_ids=packed(lp.top_ids, I32),
         top_logprobs=packed(lp.top_logprobs, F32),
         pieces=pieces,
+        ranks=b"" if lp.ranks is None else packed(lp.ranks, I32),
     )
 
 
-def logprobs_from_pb(msg: verifier_pb2.TokenLogprobs, n: int) -> TokenLogprobs:
-    """The log-probabilities of a chunk of `n` tokens; WireError on a ragged message."""
-    lp = unpacked(msg.logprobs, F32, "logprobs.logprobs")
-    ids = unpacked(msg.top_token_ids, I32, "logprobs.top_token_ids")
-    top = unpacked(msg.top_logprobs, F32, "logprobs.top_logprobs")
+def logprobs_from_pb(
+    msg: verifier_pb2.TokenLogprobs, n: int, field: str = "logprobs"
+) -> TokenLogprobs:
+    """The log-probabilities of a chunk of `n` tokens (ranks where the message has
+    them); WireError naming `field` on a ragged message."""
+    lp = unpacked(msg.logprobs, F32, f"{field}.logprobs")
+    ids = unpacked(msg.top_token_ids, I32, f"{field}.top_token_ids")
+    top = unpacked(msg.top_logprobs, F32, f"{field}.top_logprobs")
     k = msg.top_k
     if lp.shape[0] != n or k < 0 or ids.shape[0] != n * k or top.shape[0] != n * k:
-        raise WireError(f"logprobs: {lp.shape[0]} values and top_k {k} for {n} tokens")
-    return TokenLogprobs(lp, ids.reshape(n, k), top.reshape(n, k))
+        raise WireError(f"{field}: {lp.shape[0]} values and top_k {k} for {n} tokens")
+    ranks = None
+    if msg.ranks:
+        ranks = unpacked(msg.ranks, I32, f"{field}.ranks")
+        if ranks.shape[0] != n:
+            raise WireError(f"{field}: {ranks.shape[0]} ranks for {n} tokens")
+    return TokenLogprobs(lp, ids.reshape(n, k), top.reshape(n, k), ranks)
 
 
 # ---- trees ----------------------------------------------------------------------------

@@ -95,7 +95,12 @@ class VerifierServicer(vgrpc.VerifierServicer):
             GenerationRequest(
                 id=rid,
                 prompt_token_ids=prompt,
-                sampling=replace(sampling, seed=sequence_seed(sampling.seed, i)),
+                # The prompt is scored once, by sequence 0 (the others share its KV).
+                sampling=replace(
+                    sampling,
+                    seed=sequence_seed(sampling.seed, i),
+                    prompt_logprobs=sampling.prompt_logprobs if i == 0 else None,
+                ),
                 tpot_slo_ms=slo.tpot_ms,
                 slo_class=slo.name,
                 priority=request.priority,
@@ -145,6 +150,11 @@ class VerifierServicer(vgrpc.VerifierServicer):
             },
         )
         running = set(ids)
+        # Prompt logprobs come with sequence 0's first chunk; the others' chunks wait
+        # for it (they are admitted after its prefill, so this is a formality).
+        held: list[tuple[int, TokenDelta]] | None = (
+            [] if sampling.prompt_logprobs is not None and n > 1 else None
+        )
         try:
             yield vpb.GenerateChunk(
                 num_prompt_tokens=len(prompt),
@@ -158,22 +168,42 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 prompt_text=prompt_text,
             )
             async for index, delta in _merged(streams):
-                if delta.finish_reason is not None:
-                    running.discard(ids[index])
-                chunk = _chunk(delta, slo, t0)
-                chunk.index = index
-                if delta.logprobs is not None:
-                    lp = delta.logprobs
-                    wanted = {*delta.token_ids, *lp.top_ids.ravel().tolist()}
-                    pieces = await loop.run_in_executor(self._tokenize, self._decode_each, wanted)
-                    chunk.logprobs.CopyFrom(logprobs_to_pb(lp, pieces))
-                yield chunk
+                if held is not None:
+                    if index != 0:
+                        held.append((index, delta))
+                        continue
+                    ready, held = [(index, delta), *held], None
+                else:
+                    ready = [(index, delta)]
+                for i, d in ready:
+                    if d.finish_reason is not None:
+                        running.discard(ids[i])
+                    yield await self._chunk_pb(d, i, slo, t0, prompt)
         finally:
             self._generating -= 1
             self._siblings.pop(req.id, None)
             for rid in running:
                 # Cancelled mid-stream (the exception propagates on its own).
                 self.engine.abort(rid)
+
+    async def _chunk_pb(
+        self, delta: TokenDelta, index: int, slo: _SLO, t0: float, prompt: tuple[int, ...]
+    ) -> vpb.GenerateChunk:
+        loop = asyncio.get_running_loop()
+        chunk = _chunk(delta, slo, t0)
+        chunk.index = index
+        if delta.logprobs is not None:
+            lp = delta.logprobs
+            wanted = {*delta.token_ids, *lp.top_ids.ravel().tolist()}
+            pieces = await loop.run_in_executor(self._tokenize, self._decode_each, wanted)
+            chunk.logprobs.CopyFrom(logprobs_to_pb(lp, pieces))
+        if delta.prompt_logprobs is not None:
+            plp = delta.prompt_logprobs
+            wanted = {*prompt, *plp.top_ids.ravel().tolist()}
+            pieces = await loop.run_in_executor(self._tokenize, self._decode_each, wanted)
+            chunk.prompt_logprobs.CopyFrom(logprobs_to_pb(plp, pieces))
+            chunk.prompt_token_ids.extend(prompt)
+        return chunk
 
     async def Abort(
         self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext
@@ -427,6 +457,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             bad_words=self._bad_words(sp.bad_words),
             allowed_token_ids=tuple(sp.allowed_token_ids),
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
             structured=_structured(sp.structured_output)
             if sp.HasField("structured_output")
             else None,
