@@ -157,6 +157,56 @@ def form_batch(
     return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))
 
 
+def slo_tree_budget(
+    tightest_slo_ms: float,
+    expected_tokens: float,
+    overhead_ms: float,
+    decode_ms: Callable[[int], float],
+    knee: int,
+    cap: int,
+) -> int:
+    """The tree budget of an iteration whose tightest decoding request has TPOT SLO t:
+    the most tree tokens N (at least the knee B, at most `cap`) whose decode iteration,
+    decode_ms(N) + `overhead_ms` (drafting), still lets a request that gets
+    `expected_tokens` per iteration keep pace: decode_ms(N) + overhead <= t * E.
+
+    The knee B is where verify time starts to grow with the tokens, not a limit of what
+    the SLOs allow: past it a node still costs little next to the iteration's fixed
+    cost, and while the tightest request keeps its pace every other one does too."""
+    limit = tightest_slo_ms * expected_tokens - overhead_ms
+    return max(knee, _most(decode_ms, limit, cap))
+
+
+# Policy adaserve's prompt hold (`scheduler.hold_prompts`): a prompt with a TTFT SLO
+# waits while a decoding request is behind its TPOT SLO, until its deadline is this
+# close (s) plus HOLD_PREFILL_FACTOR times what prefilling it and the prompts due before
+# it takes at the full-batch rate (a prefill shares its iterations with the decoders).
+HOLD_MARGIN_S = 0.5
+HOLD_PREFILL_FACTOR = 3.0
+HOLD_MIN_DECODED = 8  # a decoder's TPOT so far means little before this many tokens
+
+
+def behind_tpot(progress: Sequence[Decoding]) -> bool:
+    """Whether a decoding request's TPOT so far is above its SLO, l_r > t_r o_r (what
+    attainment will say of it if nothing changes), among those with at least
+    HOLD_MIN_DECODED tokens."""
+    return any(
+        d.decoded >= HOLD_MIN_DECODED and d.elapsed_ms > d.tpot_slo_ms * d.decoded for d in progress
+    )
+
+
+def hold_prompt(deadline_s: float, now_s: float, queue_tokens: int, ms_per_token: float) -> bool:
+    """Whether a prompt with a TTFT deadline may wait this iteration, while decoders are
+    behind their TPOT SLO: its deadline is further than HOLD_MARGIN_S plus
+    HOLD_PREFILL_FACTOR times the prefill of `queue_tokens` (it and the prompts due
+    before it) away. A prompt waiting is not yet in the batch: every decoding request
+    then runs its iterations without that prompt's chunks and, once it decodes, its
+    tree; the prompt's TTFT slack pays for it, not its TPOT (counted from its first
+    token)."""
+    need_s = HOLD_PREFILL_FACTOR * queue_tokens * ms_per_token / 1000.0
+    return deadline_s - now_s > HOLD_MARGIN_S + need_s
+
+
 def _slo_limit_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: float) -> float:
     """The longest iteration that keeps every decoding request on its TPOT SLO: request
     r, l_r ms and o_r tokens past its first, expecting E tokens from its tree, is still

@@ -134,6 +134,13 @@ class SchedulerSettings(BaseModel):
     order: Literal["descending_a", "ascending_a"] = "descending_a"
     n_max: PositiveInt | None = None  # None -> ceil(1.2 * budget / n)
     correction_factor: PositiveFloat = 1.05  # inflates predicted t_spec (FlexFlow Serve)
+    # Policy adaserve: an iteration's tree budget is at least the tree tokens a forward
+    # may carry while the tightest decoding request stays on its TPOT SLO (the latency
+    # model's curve; adaserve/batching.py `slo_tree_budget`), not only the knee B.
+    slo_budget: bool = True
+    # Policy adaserve: while a decoding request is behind its TPOT SLO, admission holds
+    # prompts with a TTFT SLO until their deadline nears (batching.hold_prompt).
+    hold_prompts: bool = True
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
 

@@ -43,7 +43,16 @@ from adaserve.adaptive import (
     slack_plan,
     slo_floor,
 )
-from adaserve.batching import BatchLimits, BatchPlan, Decoding, Prefilling, form_batch
+from adaserve.batching import (
+    BatchLimits,
+    BatchPlan,
+    Decoding,
+    Prefilling,
+    behind_tpot,
+    form_batch,
+    hold_prompt,
+    slo_tree_budget,
+)
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
@@ -633,7 +642,7 @@ class Engine:
         if not drafted and self.ngram and any(r.method in USES_NGRAM for r in decoding):
             tree_depth = self.settings.speculation.ngram.depth
         limits = BatchLimits(
-            tree_budget=self.settings.scheduler.budget,
+            tree_budget=self._tree_budget(decoding, depth if drafted else 0, adaptive),
             max_batch_tokens=eng.max_batch_tokens,
             min_prefill_tokens=eng.min_prefill_tokens,
             stretch=eng.prefill_stretch,
@@ -699,6 +708,21 @@ class Engine:
             chunks.append((r, chunk))
         return _Step(decoding, drafted, depth, width, chunks, batch)
 
+    def _tree_budget(self, decoding: list[_Request], depth: int, adaptive: AdaptiveSettings) -> int:
+        """This iteration's tree budget: the knee B, or (policy adaserve with
+        `slo_budget`) what the tightest decoding request's SLO lets the forward take."""
+        sched = self.settings.scheduler
+        if sched.policy != "adaserve" or not sched.slo_budget or not decoding or depth <= 0:
+            return sched.budget
+        return slo_tree_budget(
+            min(r.req.tpot_slo_ms for r in decoding),
+            chain_tokens(adaptive.acceptance, depth),
+            self._draft_ms,
+            lambda t: self.latency.predict_ms(t),
+            sched.budget,
+            self.settings.engine.max_batch_tokens,
+        )
+
     def _decode_tokens(self, decoding: list[_Request], depth: int, width: int) -> int:
         """Tree tokens a decode-only iteration of this batch verifies at most."""
         n = len(decoding)
@@ -727,6 +751,10 @@ class Engine:
         n = min(len(batch) + prefilling + arriving, self.settings.engine.max_running)
         depth, width = plan_depth_width(n, budget, adaptive)
         if depth > 0:
+            # Policy adaserve: planned for the tree tokens the tightest SLO allows.
+            slo_budget = self._tree_budget(batch, depth, adaptive)
+            if slo_budget > budget:
+                depth, width = plan_depth_width(n, slo_budget, adaptive)
             return [r for r in batch if r.method in USES_MODEL], depth, width
         # Drafting for the whole batch does not pay, but SLO comes before throughput.
         # Requests that plain decoding would leave behind their SLO still get trees, and
@@ -1211,12 +1239,16 @@ class Engine:
         # that KV from the prefix cache instead of computing it again.
         unprefilled = {r.req.id for r in self._waiting}
         unprefilled |= {r.req.id for r in self._running.values() if r.prefilling}
+        hold = self._hold_prompts()
         i = 0
         while i < len(self._waiting) and len(self._running) < self.settings.engine.max_running:
             if self.target.free_blocks() <= watermark:
                 break
             r = self._waiting[i]
             if r.req.fork_of is not None and r.req.fork_of in unprefilled:
+                i += 1
+                continue
+            if hold is not None and hold(r):
                 i += 1
                 continue
             self._waiting.pop(i)
@@ -1230,6 +1262,36 @@ class Engine:
                 metrics.prefix_cache_hits.inc(r.prefilled)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
+
+    def _hold_prompts(self) -> Callable[[_Request], bool] | None:
+        """Policy adaserve with `scheduler.hold_prompts`, while a decoding request is
+        behind its TPOT SLO: which waiting requests stay waiting this iteration (those
+        with a TTFT SLO far enough from their deadline, batching.hold_prompt). None: admit
+        as usual."""
+        sched = self.settings.scheduler
+        if sched.policy != "adaserve" or not sched.hold_prompts:
+            return None
+        now = self.clock()
+        decoding = [
+            Decoding(r.req.id, r.req.tpot_slo_ms, *self._elapsed_decoded(r, now))
+            for r in self._running.values()
+            if not r.prefilling and not r.best_effort
+        ]
+        if not behind_tpot(decoding):
+            return None
+        n = self.settings.engine.max_batch_tokens
+        ms_per_token = self.latency.predict_ms(0, n) / n
+        queue = self._prefill_queue
+
+        def hold(r: _Request) -> bool:
+            if r.req.ttft_slo_ms is None or r.num_generated > 0:
+                return False  # no TTFT SLO to spend, or a preempted request's recompute
+            # The queue as of the last iteration: it may hold this prompt already, which
+            # then counts twice (the hold errs toward admitting).
+            ahead = sum(left for due, left in queue if due <= r.ttft_deadline)
+            return hold_prompt(r.ttft_deadline, now, ahead + r.prefill_target, ms_per_token)
+
+        return hold
 
     def slo_floor(self) -> SLOFloor:
         """The best TPOT one request alone can expect now (adaptive.slo_floor), from the

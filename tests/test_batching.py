@@ -18,8 +18,11 @@ from adaserve.batching import (
     BatchLimits,
     Decoding,
     Prefilling,
+    behind_tpot,
     form_batch,
+    hold_prompt,
     slo_draft_tokens,
+    slo_tree_budget,
 )
 from adaserve.latency import Curve
 
@@ -247,3 +250,41 @@ def test_a_decoder_ahead_of_its_slo_lends_its_slack_to_a_deadline() -> None:
     plan = form_batch([ahead, behind], [pre(0, 6000, deadline=5.0)], limits, linear)
     assert 100.0 < plan.time_limit_ms <= 100.0 * 21 - 1000.0 + 1e-9
     assert linear(2, plan.prefill_tokens + 1, 0.0) > 1100.0
+
+
+def test_the_tree_budget_follows_the_tightest_slo() -> None:
+    # GPU: 20 ms flat to 64 tokens, 40 ms at 128. A request expecting 2 tokens per
+    # iteration with a 15 ms SLO keeps pace at 30 ms: 96 tree tokens, past the knee.
+    def decode_ms(t: int) -> float:
+        return GPU(t, 0)
+
+    assert slo_tree_budget(15.0, 2.0, 0.0, decode_ms, 64, 2048) == 96
+    # Drafting time comes off what the forward may take.
+    assert slo_tree_budget(15.0, 2.0, 5.0, decode_ms, 64, 2048) == 80
+    # A tighter SLO gets fewer tokens, never fewer than the knee...
+    assert slo_tree_budget(8.0, 2.0, 0.0, decode_ms, 64, 2048) == 64
+    budgets = [slo_tree_budget(s, 2.0, 0.0, decode_ms, 64, 2048) for s in (10, 20, 40, 80)]
+    assert budgets == sorted(budgets) and budgets[0] == 64 and budgets[-1] > budgets[1]
+    # ... and a relaxed one no more than one forward carries.
+    assert slo_tree_budget(1e6, 2.0, 0.0, decode_ms, 64, 512) == 512
+
+
+def test_only_a_decoder_past_its_tpot_slo_counts_as_behind() -> None:
+    # 30 tokens in 1.2 s at a 50 ms SLO: 40 ms per token, on track; 2 s: behind.
+    assert not behind_tpot([dec(0, 50.0, 1200.0, 30), dec(1, 150.0, 2000.0, 30)])
+    assert behind_tpot([dec(0, 50.0, 1200.0, 30), dec(1, 50.0, 2000.0, 30)])
+    # Too few tokens for the ratio to mean anything: a slow first iteration is no debt.
+    assert not behind_tpot([dec(0, 50.0, 400.0, 2)])
+    assert not behind_tpot([])
+
+
+def test_a_prompt_with_ttft_slack_waits_and_one_near_its_deadline_does_not() -> None:
+    # 0.2 ms per prompt token: 1,000 queued tokens take 0.2 s, 0.6 s counted thrice.
+    assert hold_prompt(3.0, 0.0, 1000, 0.2)  # summarization, 3 s away: waits
+    assert not hold_prompt(1.0, 0.0, 1000, 0.2)  # 1 s away: 0.5 + 0.6 s needed, admitted
+    assert hold_prompt(1.0, 0.0, 100, 0.2)  # a short prompt may wait a little
+    assert not hold_prompt(0.5, 0.0, 100, 0.2)
+    assert not hold_prompt(1.0, 2.0, 10, 0.2)  # deadline passed: nothing left to spend
+    # A longer queue ahead shortens the wait.
+    waits = [hold_prompt(2.0, 0.0, q, 0.2) for q in (100, 1000, 2000, 4000)]
+    assert waits == [True, True, True, False]

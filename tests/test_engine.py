@@ -365,7 +365,10 @@ def test_a_drafter_better_than_the_prior_earns_deeper_trees(target_dir, learn):
     """Self-drafting accepts every level: with learn_acceptance the plan moves from the
     prior's depth 1 to d_max as the estimate rises; without it, it stays at 1."""
     adaptive = {**LEARNING, "learn_acceptance": learn}
-    engine = make_engine(target_dir, target_dir, scheduler={"adaptive": adaptive})
+    # The plan at the knee budget: a 10 s SLO would otherwise size the iteration (and
+    # so the depth) by what it allows (scheduler.slo_budget), which is not under test.
+    scheduler = {"adaptive": adaptive, "slo_budget": False}
+    engine = make_engine(target_dir, target_dir, scheduler=scheduler)
     calls = record_speculate(engine)
     res = run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 60, 1e4))])
     assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 60)
