@@ -101,18 +101,28 @@ def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
     return max(s.d_min, int(d[np.argmax(rate)]))
 
 
-def ngram_pays(n: int, budget: int, alpha: float, depth: int, host_units: float) -> bool:
-    """Whether verifying n-gram chains pays for a batch of n: some depth d in 1..depth
-    emits more expected tokens per unit of iteration time than plain decoding,
-    sum(alpha^j, j = 0..d) / (B + n + n d + n h) > 1 / (B + n), in cost_depth's model
-    (a forward of N tree tokens costs about B + N token-units). The n-gram drafter
-    has no draft steps, but it is not free: h = host_units is its host time per
-    request (the lookup, and selection over its trees) in those units. On a CPU at 8
-    requests that time decides it (`BENCHMARKS.md`, "Layouts")."""
-    d = np.arange(1, max(depth, 1) + 1)
-    chain = (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
-    rate = chain / (budget + n + n * d + n * host_units)
-    return bool(rate.max() > 1.0 / (budget + n))
+def ngram_pays(
+    n: int, budget: int, tokens: np.ndarray | float, nodes: np.ndarray | float, host_units: float
+) -> bool:
+    """Whether verifying n-gram trees pays for a batch of n: a request's tree, emitting
+    `tokens` per verification (bonus included) for `nodes` verified draft tokens, beats
+    plain decoding in tokens per unit of iteration time by NGRAM_MARGIN,
+    tokens / (B + n + n nodes + n h) > NGRAM_MARGIN / (B + n), in cost_depth's model (a
+    forward of N tree tokens costs about B + N token-units). The n-gram drafter has no
+    draft steps, but it is not free: h = host_units is its host time per request (the
+    lookup, and selection over its trees) in those units. `tokens` and `nodes` may be
+    arrays of candidates (chains of each depth, before any evidence): the best one
+    counts."""
+    rate = np.asarray(tokens, dtype=np.float64) / (
+        budget + n + n * np.asarray(nodes, dtype=np.float64) + n * host_units
+    )
+    return bool(rate.max() > NGRAM_MARGIN / (budget + n))
+
+
+# How much more an n-gram tree must promise than plain decoding (ngram_pays): its host
+# time is certain and its tokens are not, and a batch's slowest request sets the pace
+# of a round (BENCHMARKS.md, "Layouts").
+NGRAM_MARGIN = 1.1
 
 
 def _chain_tokens(d: np.ndarray, s: AdaptiveSettings) -> np.ndarray:

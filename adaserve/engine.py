@@ -194,6 +194,11 @@ class _Request:
         return None if t is None else self.arrival + t
 
 
+# Decayed verifications of n-gram trees (SourceStats.steps) from which `auto` judges
+# them by what they measured rather than by their prior acceptance.
+NGRAM_EVIDENCE_STEPS = 5.0
+
+
 @dataclass
 class _TSpecPredictor:
     """Predicts a decode iteration's latency (drafting included) from its tree tokens:
@@ -881,18 +886,21 @@ class Engine:
         return trees
 
     def _ngram_pays(self, n: int) -> bool:
-        """Whether verifying n-gram trees pays for a batch of n (adaptive.ngram_pays),
-        with the n-gram drafter's learned acceptance and its measured host time per
-        request in token-units of this batch's iteration."""
+        """Whether verifying n-gram trees pays for a batch of n (adaptive.ngram_pays):
+        with what its trees measured per verification (tokens emitted, draft tokens
+        verified: decayed counts, SourceStats), or while that evidence is thin (at
+        first, and again once it has faded after the trees stopped paying, which so
+        tries them again) chains at its learned per-level acceptance; and its measured
+        host time per request in token-units of this batch's iteration."""
         budget = self.settings.scheduler.budget
         unit_ms = self.tspec.measured_ms(n) / (budget + n)
-        return ngram_pays(
-            n,
-            budget,
-            self.ngram_acceptance.alpha,
-            self.settings.speculation.ngram.depth,
-            self._ngram_host_ms / max(unit_ms, 1e-6),
-        )
+        host = self._ngram_host_ms / max(unit_ms, 1e-6)
+        seen = self.method_stats["ngram"]
+        if seen.steps >= NGRAM_EVIDENCE_STEPS:
+            return ngram_pays(n, budget, seen.tokens_per_step, seen.drafted / seen.steps, host)
+        depth = np.arange(1, max(self.settings.speculation.ngram.depth, 1) + 1)
+        alpha = self.ngram_acceptance.alpha
+        return ngram_pays(n, budget, (1.0 - alpha ** (depth + 1)) / (1.0 - alpha), depth, host)
 
     def _draft(
         self,
