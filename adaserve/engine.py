@@ -899,8 +899,8 @@ class Engine:
         if seen.steps >= NGRAM_EVIDENCE_STEPS:
             return ngram_pays(n, budget, seen.tokens_per_step, seen.drafted / seen.steps, host)
         depth = np.arange(1, max(self.settings.speculation.ngram.depth, 1) + 1)
-        alpha = self.ngram_acceptance.alpha
-        return ngram_pays(n, budget, (1.0 - alpha ** (depth + 1)) / (1.0 - alpha), depth, host)
+        chains = [chain_tokens(self.ngram_acceptance.alpha, int(d)) for d in depth]
+        return ngram_pays(n, budget, np.array(chains), depth, host)
 
     def _draft(
         self,

@@ -124,6 +124,8 @@ class Quarantine:
         rest: tuple[str, ...] = ()
         if self._groups and set(carried) <= set(self._groups[0].members):
             g = self._groups.popleft()
+            if g.family is not None:  # a member failed: the family did not fail together
+                g.family.failed = True
             rest = tuple(i for i in g.members if i not in carried)
             if rest:
                 self._groups.appendleft(_Group(rest, g.family))

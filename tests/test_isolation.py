@@ -86,6 +86,20 @@ def test_requests_that_fail_only_together_end_after_max_strikes():
     assert _bisect([f"r{i}" for i in range(32)], {"r7"})[0] == ["r7"]
 
 
+def test_a_culprit_found_inside_a_half_gives_its_family_no_strike():
+    """An iteration carrying part of the head group (others prefilling) fails alone:
+    its request is the culprit, so the group it came from did not fail only together,
+    however cleanly the rest and the other half run after it, round after round."""
+    q = Quarantine()
+    for culprit in ("a", "e"):
+        ids = [culprit, "b", "c", "d"]
+        assert q.failed(ids) == []
+        assert q.allowed(set(ids)) == {culprit, "b"}
+        assert q.failed([culprit]) == [culprit]
+        assert q.passed(["b"]) == [] and q.passed(["c", "d"]) == []
+        assert q.allowed({"b", "c", "d"}) is None
+
+
 def test_suspects_that_leave_are_forgotten():
     q = Quarantine()
     assert q.failed(["a", "b", "c", "d"]) == []
