@@ -55,6 +55,10 @@ class DraftUpdate:
     # Take the tokens into the draft KV and draft nothing (a prompt being prefilled in
     # chunks: the drafter prefills the same chunk in the same iteration).
     ingest: bool = False
+    # An EAGLE drafter's input (adaserve/eagle_drafter.py): the target's features
+    # [len(new_tokens), F*H] (float16 or float32), row i those of the position before
+    # new_tokens[i] (zeros before position 0). None for every other drafter.
+    hidden: np.ndarray | None = None
 
 
 class DrafterStateLost(RuntimeError):

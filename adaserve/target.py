@@ -66,6 +66,11 @@ class ForwardResult:
     # one per chunk, where it asked for prompt logprobs (`PrefillChunk.scored`): the
     # scored tokens' logprobs, ranks and top-k (raw log-softmax)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Where the target returns features (`feature_layers`, an EAGLE drafter in use):
+    # float16 [len(accepted_nodes), F*H] per tree (its root and accepted path), and
+    # float16 [len(tokens), F*H] per chunk; None otherwise.
+    tree_features: list[np.ndarray] | None = None
+    chunk_features: list[np.ndarray] | None = None
 
 
 class TargetModel(Protocol):
@@ -145,6 +150,23 @@ class RunnerTarget:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.block_size = int(runner.block_size)
         self.num_blocks = int(runner.num_blocks)
+        # Target layers whose outputs an EAGLE drafter reads; () computes none.
+        self.feature_layers: tuple[int, ...] = ()
+
+    def return_features(self, layers: Sequence[int]) -> None:
+        """Return the features of `layers` with every forward from now on (see
+        ForwardResult.tree_features). Needs a runner that computes them (one process,
+        eager forward; under tensor parallelism rank 0's are the replicated ones but
+        the TP runner does not return them yet): ValueError otherwise."""
+        if layers and not hasattr(self.runner, "forward_features"):
+            raise ValueError(
+                f"an EAGLE drafter needs the target's hidden states, which "
+                f"{type(self.runner).__name__} does not return (use tp 1)"
+            )
+        n = int(self.runner.config.num_layers)
+        if any(not 0 <= int(i) < n for i in layers):
+            raise ValueError(f"feature layers {list(layers)} outside the target's {n} layers")
+        self.feature_layers = tuple(int(i) for i in layers)
 
     def add_sequence(self, seq_id: str, tokens: Sequence[int], use_cache: bool = True) -> int:
         return self.runner.add_sequence(seq_id, tokens, use_cache)
@@ -171,7 +193,11 @@ class RunnerTarget:
             if c.last:
                 finals.append(len(rows))
                 rows.append(pos - 1)
-        logits = self.runner.forward(inputs, logits_indices=rows)  # KVCacheFull: nothing done
+        feats = None
+        if self.feature_layers:  # KVCacheFull: nothing done
+            logits, feats = self.runner.forward_features(inputs, self.feature_layers, rows)
+        else:
+            logits = self.runner.forward(inputs, logits_indices=rows)
         n_tree = sum(len(it.tree) for it in trees)
         raw = _process(logits[:n_tree], trees)
         verified = verify_batch(
@@ -219,7 +245,10 @@ class RunnerTarget:
             res = verify_tree(root, row, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
             first.append(int(res.emitted_tokens[0]))
             first_lp.append(None if k is None else token_logprobs(raw_row, res.emitted_tokens, k))
-        return ForwardResult(verified, first, first_lp, prompt_lp)
+        result = ForwardResult(verified, first, first_lp, prompt_lp)
+        if feats is not None:
+            result = _with_features(result, feats, trees, chunks)
+        return result
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
@@ -240,3 +269,23 @@ class RunnerTarget:
         # Counter-based stream: a seeded request samples the same tokens whatever the
         # batch or the tree shapes (see adaserve/sampling.py).
         return TokenRng(seed)
+
+
+def _with_features(
+    result: ForwardResult,
+    feats: torch.Tensor,
+    trees: Sequence[VerifyItem],
+    chunks: Sequence[PrefillChunk],
+) -> ForwardResult:
+    """The result with each tree's root-and-accepted rows and each chunk's rows of the
+    forward's features, float16 on the host (what goes to the drafter)."""
+    host = feats.to(torch.float16).cpu().numpy()
+    per_tree, offset = [], 0
+    for it, res in zip(trees, result.verified, strict=True):
+        per_tree.append(host[offset + res.accepted_nodes.astype(np.int64)])
+        offset += len(it.tree)
+    per_chunk = []
+    for c in chunks:
+        per_chunk.append(host[offset : offset + len(c.tokens)])
+        offset += len(c.tokens)
+    return replace(result, tree_features=per_tree, chunk_features=per_chunk)
