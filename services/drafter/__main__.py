@@ -118,7 +118,6 @@ def _beam(model: str, args: argparse.Namespace, settings: Settings) -> Drafter:
 
     ms = settings.model
     runner = load_runner(
-        load_runner,
         model,
         device=args.device or ms.device,
         dtype=args.dtype or ms.dtype,
