@@ -10,7 +10,6 @@ import collections
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 
 from adaserve import metrics
 from adaserve.config import Settings, load_settings
