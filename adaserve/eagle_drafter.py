@@ -115,7 +115,7 @@ class EagleDrafter:
                 self._drop(u.id)
                 # The head's KV at a position is a function of the tokens up to it (their
                 # features are), so its prefix cache is as valid as a model drafter's.
-                skip = self.runner.add_sequence(u.id, new)
+                skip = self.runner.add_sequence(u.id, new.tolist())
                 self._pending[u.id] = (np.zeros(0, np.int32), f[:0])
             tok, old = self._pending[u.id]
             chains[u.id] = (np.concatenate([tok, new[skip:]]), np.concatenate([old, f[skip:]]))

@@ -91,10 +91,10 @@ class EagleRunner(ModelRunner):
         got_fuse = None if fuse_weight is None else tuple(fuse_weight.shape)
         if got_fuse != want_fuse:
             raise ValueError(f"eagle.fuse.weight must be {want_fuse}, got {got_fuse}")
-        to = dict(device=base.device, dtype=base.dtype)
-        self.fc_weight = fc_weight.to(**to)
-        self.fc_bias = None if fc_bias is None else fc_bias.to(**to)
-        self.fuse_weight = None if fuse_weight is None else fuse_weight.to(**to)
+        dev, dt = base.device, base.dtype
+        self.fc_weight = fc_weight.to(device=dev, dtype=dt)
+        self.fc_bias = None if fc_bias is None else fc_bias.to(device=dev, dtype=dt)
+        self.fuse_weight = None if fuse_weight is None else fuse_weight.to(device=dev, dtype=dt)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         raise TypeError("EagleRunner: call forward_head (every node needs its g row)")
