@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
     parser.add_argument(
-        "--model", help="drafter model: HF directory, .gguf or 'embedded' (default: settings)"
+        "--model",
+        help="drafter: a draft model or an EAGLE head (HF directory, .gguf, 'embedded' or "
+        "'embedded-eagle'; default: settings)",
     )
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: settings)")
     parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: settings)")
