@@ -155,9 +155,8 @@ class RunnerTarget:
 
     def return_features(self, layers: Sequence[int]) -> None:
         """Return the features of `layers` with every forward from now on (see
-        ForwardResult.tree_features). Needs a runner that computes them (one process,
-        eager forward; under tensor parallelism rank 0's are the replicated ones but
-        the TP runner does not return them yet): ValueError otherwise."""
+        ForwardResult.tree_features). Needs a runner that computes them (ModelRunner,
+        and TPRunner with rank 0's replicated ones): ValueError otherwise."""
         if layers and not hasattr(self.runner, "forward_features"):
             raise ValueError(
                 f"an EAGLE drafter needs the target's hidden states, which "
@@ -279,7 +278,10 @@ def _with_features(
 ) -> ForwardResult:
     """The result with each tree's root-and-accepted rows and each chunk's rows of the
     forward's features, float16 on the host (what goes to the drafter)."""
-    host = feats.to(torch.float16).cpu().numpy()
+    # float16 on the wire; a value past its range (a model's outlier activations) is
+    # clipped to it rather than becoming inf, which the drafter would refuse.
+    fp16_max = torch.finfo(torch.float16).max
+    host = feats.float().clamp_(-fp16_max, fp16_max).to(torch.float16).cpu().numpy()
     per_tree, offset = [], 0
     for it, res in zip(trees, result.verified, strict=True):
         per_tree.append(host[offset + res.accepted_nodes.astype(np.int64)])

@@ -96,9 +96,13 @@ def _fuse(head_dir: Path, feats: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("layers", "int8"), [((1, 15, 29), False), ((29,), False), ((3, 20), True)]
 )
-def test_head_chain_and_tree_match_the_dense_math(embedded_dir, tmp_path, layers, int8):
+@pytest.mark.parametrize("kernel", ["auto", "reference"])
+def test_head_chain_and_tree_match_the_dense_math(embedded_dir, tmp_path, layers, int8, kernel):
     head = make_eagle_dir(tmp_path / "head", embedded_dir, feature_layers=layers, int8=int8)
-    runner = load_eagle_runner(head, CPU, torch.float32, kv_blocks=64, kv_block_size=16)
+    # "auto": the packed CPU kernels where they build; "reference": MKL and torch's
+    # reference attention.
+    backend = {"cpu_kernel": "mkl", "attention_backend": "reference"} if kernel != "auto" else {}
+    runner = load_eagle_runner(head, CPU, torch.float32, kv_blocks=64, kv_block_size=16, **backend)
     gen = torch.Generator().manual_seed(3)
     tokens = [int(t) for t in torch.randint(0, 49152, (21,), generator=gen)]
     feats = torch.randn(len(tokens), len(layers) * 576, generator=gen)
@@ -134,10 +138,18 @@ def test_head_chain_and_tree_match_the_dense_math(embedded_dir, tmp_path, layers
         torch.testing.assert_close(got_k[i], ref[-1], atol=2e-3, rtol=2e-3)
 
 
-def test_target_features_are_the_layer_outputs(embedded_dir):
+@pytest.mark.parametrize("kernel", ["auto", "mkl"])
+def test_target_features_are_the_layer_outputs(embedded_dir, kernel):
     from transformers import AutoModelForCausalLM
 
-    runner = load_runner(embedded_dir, device="cpu", dtype="float32", kv_blocks=16)
+    runner = load_runner(
+        embedded_dir,
+        device="cpu",
+        dtype="float32",
+        kv_blocks=16,
+        cpu_kernel=kernel,
+        attention_backend="reference" if kernel == "mkl" else "auto",
+    )
     tokens = [1, 504, 3458, 282, 4649, 314, 253, 1345]
     layers = (0, 14, 29)
     runner.add_sequence("a", tokens)
