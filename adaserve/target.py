@@ -281,7 +281,7 @@ def _with_features(
     # float16 on the wire; a value past its range (a model's outlier activations) is
     # clipped to it rather than becoming inf, which the drafter would refuse.
     fp16_max = torch.finfo(torch.float16).max
-    host = feats.float().clamp_(-fp16_max, fp16_max).to(torch.float16).cpu().numpy()
+    host = feats.float().clamp(-fp16_max, fp16_max).to(torch.float16).cpu().numpy()
     per_tree, offset = [], 0
     for it, res in zip(trees, result.verified, strict=True):
         per_tree.append(host[offset + res.accepted_nodes.astype(np.int64)])

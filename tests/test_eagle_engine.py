@@ -243,3 +243,39 @@ def test_a_bad_payload_falls_back_to_plain_decoding(smol, caplog):
 
     assert _step_until_done(engine, reqs, corrupt) == ref
     assert "hidden shape" in caplog.text  # the drafter refused it; plain decoding went on
+
+
+def test_merged_eagle_and_ngram_trees_are_lossless(smol):
+    """The n-gram drafter beside the head: eagle, ngram and auto (which may merge both
+    trees) in one batch emit the target's own tokens."""
+    from adaserve.ngram import NgramDrafter
+
+    target, head, prompts, ref = smol
+    inner = EagleDrafter(load_eagle_runner(head, target.device, target.dtype, kv_blocks=256))
+    settings = load_settings(
+        None,
+        slo={"baseline_tpot_ms": 50.0},
+        engine={"kv_blocks": 256, "max_batch_tokens": 40},
+        scheduler={"budget": 16},
+    )
+    engine = Engine(
+        RunnerTarget(target, eos_token_ids=()),
+        Oracle(inner, ref, prompts),
+        LocalScheduler(settings.scheduler),
+        settings,
+        ngram=NgramDrafter(),
+    )
+    assert engine.info().speculation_methods == ("auto", "eagle", "ngram", "none")
+    sources: set[str] = set()
+    speculate = engine._speculate
+
+    def spy(step):
+        trees = speculate(step)
+        sources.update(r.source for r in step.decoding)
+        return trees
+
+    engine._speculate = spy  # type: ignore[method-assign]
+    methods = ["auto", "ngram", "eagle", "auto"]
+    reqs = [_req(k, prompts[k], m, 30.0) for k, m in zip(prompts, methods, strict=True)]
+    assert _run(engine, reqs) == ref
+    assert "eagle" in sources or "eagle+ngram" in sources, sources
