@@ -321,7 +321,9 @@ class Engine:
         self._feature_dim = 0
         if self.drafter is not None and self.drafter_kind == "eagle":
             spec = drafter.spec  # type: ignore[union-attr]
-            target.return_features(spec.feature_layers)  # type: ignore[attr-defined]
+            target.return_features(  # type: ignore[attr-defined]
+                spec.feature_layers, spec.target_layers, spec.hidden_size
+            )
             self._feature_dim = int(spec.feature_dim)
         self._recompute: set[str] = set()  # requests whose features the target recomputes
         eagle = self.drafter is not None and self.drafter_kind == "eagle"

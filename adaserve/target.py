@@ -153,7 +153,9 @@ class RunnerTarget:
         # Target layers whose outputs an EAGLE drafter reads; () computes none.
         self.feature_layers: tuple[int, ...] = ()
 
-    def return_features(self, layers: Sequence[int]) -> None:
+    def return_features(
+        self, layers: Sequence[int], target_layers: int = -1, hidden_size: int = -1
+    ) -> None:
         """Return the features of `layers` with every forward from now on (see
         ForwardResult.tree_features). Needs a runner that computes them (ModelRunner,
         and TPRunner with rank 0's replicated ones): ValueError otherwise."""
@@ -162,7 +164,13 @@ class RunnerTarget:
                 f"an EAGLE drafter needs the target's hidden states, which "
                 f"{type(self.runner).__name__} does not return (use tp 1)"
             )
-        n = int(self.runner.config.num_layers)
+        n, h = int(self.runner.config.num_layers), int(self.runner.config.hidden_size)
+        # The head names the target it was trained on by its shape (-1: not told).
+        if target_layers not in (-1, n) or hidden_size not in (-1, h):
+            raise ValueError(
+                f"the EAGLE head was trained on a target of {target_layers} layers of "
+                f"{hidden_size}; this target has {n} of {h}: wrong target?"
+            )
         if any(not 0 <= int(i) < n for i in layers):
             raise ValueError(f"feature layers {list(layers)} outside the target's {n} layers")
         self.feature_layers = tuple(int(i) for i in layers)

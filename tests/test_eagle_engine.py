@@ -279,3 +279,14 @@ def test_merged_eagle_and_ngram_trees_are_lossless(smol):
     reqs = [_req(k, prompts[k], m, 30.0) for k, m in zip(prompts, methods, strict=True)]
     assert _run(engine, reqs) == ref
     assert "eagle" in sources or "eagle+ngram" in sources, sources
+
+
+def test_a_head_for_another_target_is_refused_at_startup(smol, tmp_path):
+    from adaserve.model.eagle import eagle_spec
+
+    target, head, _, _ = smol
+    inner = EagleDrafter(load_eagle_runner(head, target.device, target.dtype, kv_blocks=16))
+    spec = eagle_spec(head)
+    inner.spec = type(spec)(spec.feature_layers, spec.target_layers + 2, spec.hidden_size)
+    with pytest.raises(ValueError, match="wrong target"):
+        _engine(target, inner)
