@@ -64,7 +64,9 @@ def service_env(base: os._Environ | dict[str, str], shared_cpu: bool = False) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="embedded", help="target model (PATH or embedded)")
     parser.add_argument(
-        "--drafter", default="embedded", help="drafter model (PATH, embedded, or none)"
+        "--drafter",
+        default="embedded",
+        help="drafter: a draft model or an EAGLE head (PATH, embedded, embedded-eagle, or none)",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per unit")
     parser.add_argument(
