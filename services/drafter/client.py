@@ -53,7 +53,12 @@ class GrpcDrafter:
             "drafter", self._stub.Release, drafter_pb2.ReleaseRequest(ids=list(ids)), self.timeout_s
         )
 
-    def describe(self, wait_s: float = 5.0) -> None:
+    # A drafter container starts beside its verifier (k8s/base/unit.yaml) and may still
+    # be loading its model: an EAGLE head taken for a model drafter would leave the
+    # unit decoding plainly for its whole life, so the verifier waits this long.
+    DESCRIBE_WAIT_S = 60.0
+
+    def describe(self, wait_s: float = DESCRIBE_WAIT_S) -> None:
         """Learns what the service drafts with (StatsResponse.kind): for an EAGLE head,
         `kind` "eagle" and `spec` (the target layers to send), which the engine reads
         when it is built. Waits up to `wait_s` for a service still loading; one not up
