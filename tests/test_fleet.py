@@ -46,7 +46,9 @@ fleet:
   report_stale_ms: 400
 """
 PROMPTS = [[(5 * i + 7 * k) % 90 + 4 for k in range(5 + i % 7)] for i in range(16)]
-LONG = 200
+# Long enough that unit B still has streams when the drain test has seen all 16 flow
+# (a tiny model drafting with itself emits ~5 tokens per iteration; 200 ran out under load).
+LONG = 480
 
 
 @dataclass
