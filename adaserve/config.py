@@ -30,14 +30,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 SpeculationMethod = Literal["auto", "model", "eagle", "ngram", "none"]
 
 
-def _no_eagle(method: str | None) -> str | None:
-    # "eagle" is a valid request value (refused per request as not available) but no
-    # unit ships an EAGLE drafter yet: as a deployment default every request would fail.
-    if method == "eagle":
-        raise ValueError("speculation method 'eagle' is not available: no EAGLE drafter ships")
-    return method
-
-
 class SLOClass(BaseModel):
     """A named TPOT SLO: an absolute target, or a multiple of the deployment's baseline
     per-token latency (the AdaServe coding class is 1.2x baseline); optionally a TTFT
@@ -53,7 +45,6 @@ class SLOClass(BaseModel):
     def _one_of(self) -> SLOClass:
         if (self.tpot_ms is None) == (self.baseline_scale is None):
             raise ValueError("an SLO class sets exactly one of tpot_ms or baseline_scale")
-        _no_eagle(self.speculation)
         return self
 
     def resolve_ms(self, baseline_tpot_ms: float) -> float:
@@ -239,11 +230,6 @@ class SpeculationSettings(BaseModel):
 
     default_method: SpeculationMethod = "auto"
     ngram: NgramSettings = Field(default_factory=NgramSettings)
-
-    @model_validator(mode="after")
-    def _check(self) -> SpeculationSettings:
-        _no_eagle(self.default_method)
-        return self
 
 
 class ServiceAddresses(BaseModel):

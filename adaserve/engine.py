@@ -56,12 +56,14 @@ from adaserve.batching import (
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
+from adaserve.features import FeatureRows
 from adaserve.grammar import Constraint, GrammarBackend
 from adaserve.isolation import Quarantine, report
 from adaserve.latency import Curve, ForwardLatency
 from adaserve.logits_process import LogitsContext
 from adaserve.methods import (
     SOURCES,
+    USES_EAGLE,
     USES_MODEL,
     USES_NGRAM,
     SourceStats,
@@ -69,9 +71,11 @@ from adaserve.methods import (
     chain_tokens,
     check_available,
     choose_source,
+    drafter_source,
     expected_tokens,
     resolve_method,
     scale_f,
+    uses_drafter,
 )
 from adaserve.request import GenerationRequest, TokenDelta, TokenLogprobs
 from adaserve.routing import UnitLoad
@@ -169,6 +173,9 @@ class _Request:
     stop_ids: tuple[int, ...] = ()
     # prompt_logprobs: what the prefill chunks scored so far (prompt tokens 1, 2, ...)
     prompt_lp: list[TokenLogprobs] = field(default_factory=list)
+    # The target's features an EAGLE drafter still needs (adaserve/features.py); None
+    # where the unit has none or the request's method never uses it.
+    feats: FeatureRows | None = None
 
     @property
     def num_prompt(self) -> int:
@@ -306,7 +313,36 @@ class Engine:
             self.ngram = FallbackDrafter(
                 ngram, self._history, target.vocab_size, clock=lambda: self.clock()
             )
-        self.methods = available_methods(self.drafter is not None, self.ngram is not None)
+        # The unit's drafter is a draft model or an EAGLE head (its `kind`): the head
+        # reads the target's features, which the target then returns (adaserve/
+        # features.py), and the requests whose method may use it keep them.
+        self.drafter_kind = str(getattr(drafter, "kind", "model"))
+        self._uses_drafter = USES_EAGLE if self.drafter_kind == "eagle" else USES_MODEL
+        self._feature_dim = 0
+        if self.drafter is not None and self.drafter_kind == "eagle":
+            spec = drafter.spec  # type: ignore[union-attr]
+            target.return_features(  # type: ignore[attr-defined]
+                spec.feature_layers, spec.target_layers, spec.hidden_size
+            )
+            self._feature_dim = int(spec.feature_dim)
+        self._recompute: set[str] = set()  # requests whose features the target recomputes
+        eagle = self.drafter is not None and self.drafter_kind == "eagle"
+        self.methods = available_methods(
+            self.drafter is not None and not eagle, self.ngram is not None, eagle
+        )
+        # A default or an SLO class naming eagle on a unit without an EAGLE drafter
+        # would refuse every request it covers: refused here, at startup, instead
+        # (the other methods keep their per-request answer).
+        configured = {"speculation.default_method": settings.speculation.default_method}
+        for name, cls in settings.slo.classes.items():
+            if cls.speculation is not None:
+                configured[f"slo.classes.{name}.speculation"] = cls.speculation
+        for field_name, method in configured.items():
+            if method == "eagle" and method not in self.methods:
+                raise ValueError(
+                    f"{field_name} {method!r} is not available on this unit "
+                    f"(available: {', '.join(self.methods)})"
+                )
         self.method_stats = {source: SourceStats() for source in SOURCES}
         # Per level, where it proposes: whether verifying its trees pays under load.
         self.ngram_acceptance = AcceptanceEstimate(settings.speculation.ngram.acceptance)
@@ -599,6 +635,7 @@ class Engine:
         ]
         result = self.target.forward(items, [c for _, c in step.chunks])
         t3 = self.clock()
+        self._keep_features(step, result)
         for r, tree, res in zip(step.decoding, selected, result.verified, strict=True):
             with self._guard(r, "apply"):
                 self._record_spec(r.source, tree, res.accepted_nodes, len(res.emitted_tokens))
@@ -623,6 +660,8 @@ class Engine:
             exc = RuntimeError("iterations fail whenever it runs with others")
             self._fail(r, "batch", exc, traceback=False)
         self._observe_iteration(step, selected, t0, t1, t2, t3)
+        if self._recompute:
+            self._recompute_features()
         self._flush_releases()
         # The rest of the step (intake, admission bookkeeping, stop checks, detokenizing,
         # streaming): host time every running request waits, outside the model phases.
@@ -631,6 +670,19 @@ class Engine:
             metrics.iteration_seconds.labels("host").observe(max(host, 0.0))
 
     # ---- iteration phases ----------------------------------------------------------
+
+    def _keep_features(self, step: _Step, result) -> None:
+        """The features the forward computed, kept for the requests an EAGLE drafter
+        drafts: a tree's root and accepted path are the rows its new tokens need (the
+        root's own position first), a chunk's rows those of its tokens."""
+        if result.tree_features is not None:
+            for r, rows in zip(step.decoding, result.tree_features, strict=True):
+                if r.feats is not None:
+                    r.feats.add(len(r.tokens) - 1, rows)
+        if result.chunk_features is not None:
+            for (r, c), rows in zip(step.chunks, result.chunk_features, strict=True):
+                if r.feats is not None:
+                    r.feats.add(c.start, rows)
 
     def _form_step(self) -> _Step:
         """Which requests draft (and how deep), which prompts get a chunk of how many
@@ -745,7 +797,7 @@ class Engine:
         round trips of a gRPC iteration (the scheduler service keeps `Plan` for others)."""
         # Only requests whose method may use the model draft with it; the others still
         # count in the load the plan is for.
-        if self.drafter is None or not any(r.method in USES_MODEL for r in batch):
+        if self.drafter is None or not any(r.method in self._uses_drafter for r in batch):
             return [], 0, 1
         budget, adaptive = self.settings.scheduler.budget, self._adaptive()
         # Plan for the batch the next iterations run: requests being prefilled and
@@ -760,7 +812,7 @@ class Engine:
             slo_budget = self._tree_budget(batch, depth, adaptive)
             if slo_budget > budget:
                 depth, width = plan_depth_width(n, slo_budget, adaptive)
-            return [r for r in batch if r.method in USES_MODEL], depth, width
+            return [r for r in batch if r.method in self._uses_drafter], depth, width
         # Drafting for the whole batch does not pay, but SLO comes before throughput.
         # Requests that plain decoding would leave behind their SLO still get trees, and
         # so do the tightest-SLO requests where the others' slack pays for the longer
@@ -776,7 +828,7 @@ class Engine:
         drafted = [
             r
             for r, b, t in zip(batch, behind, tight, strict=True)
-            if (b or t) and r.method in USES_MODEL
+            if (b or t) and r.method in self._uses_drafter
         ]
         if not drafted:
             return [], 0, width
@@ -861,13 +913,14 @@ class Engine:
                 self.ngram is not None,
                 pays,
             )
-        drafted = [r for r in step.decoding if r.source in ("model", "model+ngram")]
+            r.source = drafter_source(r.source, self.drafter_kind)
+        drafted = [r for r in step.decoding if uses_drafter(r.source)]
         t0 = self.clock() if drafted else 0.0
         model = self._draft(
             self.drafter,
             "drafter_len",
             drafted,
-            [(r, c) for r, c in step.chunks if r.method in USES_MODEL],
+            [(r, c) for r, c in step.chunks if r.method in self._uses_drafter],
             step.depth,
             step.width,
             self.settings.scheduler.adaptive.draft_stop_prob or 0.0,
@@ -879,10 +932,10 @@ class Engine:
         for i, r in enumerate(step.decoding):
             rid = r.req.id
             with self._guard(r, "tree"):
-                if r.source == "model+ngram":
+                if r.source.endswith("+ngram"):
                     trees[i] = merge_trees(model.get(rid, roots[i]), ngram.get(rid, roots[i]))
-                elif r.source in ("model", "ngram"):
-                    trees[i] = (model if r.source == "model" else ngram).get(rid, roots[i])
+                elif r.source in ("model", "eagle", "ngram"):
+                    trees[i] = (ngram if r.source == "ngram" else model).get(rid, roots[i])
         return trees
 
     def _ngram_pays(self, n: int) -> bool:
@@ -917,24 +970,66 @@ class Engine:
         them) and ingesting the prompt `chunks`."""
         if drafter is None:
             return {}
-        updates = [
-            DraftUpdate(
-                r.req.id, np.asarray(r.tokens[getattr(r, synced) :], np.int32), len(r.tokens)
-            )
-            for r in requests
-        ]
-        for r, c in chunks:
-            end = c.start + len(c.tokens)
-            new = np.asarray(r.tokens[getattr(r, synced) : end], np.int32)
-            updates.append(DraftUpdate(r.req.id, new, end, ingest=True))
+        if drafter is self.drafter and self._feature_dim:
+            updates = self._eagle_updates(requests, chunks)
+        else:
+            updates = [
+                DraftUpdate(
+                    r.req.id, np.asarray(r.tokens[getattr(r, synced) :], np.int32), len(r.tokens)
+                )
+                for r in requests
+            ]
+            for r, c in chunks:
+                end = c.start + len(c.tokens)
+                new = np.asarray(r.tokens[getattr(r, synced) : end], np.int32)
+                updates.append(DraftUpdate(r.req.id, new, end, ingest=True))
         if not updates:
             return {}
         trees = drafter.speculate(updates, depth, width, stop_prob)
         if not drafter.ok:
             return {}
+        lost = set(drafter.lost)
         for u in updates:
-            setattr(self._running[u.id], synced, u.total_len)
-        return {u.id: t for u, t in zip(updates, trees, strict=True) if not u.ingest}
+            if u.id in lost:
+                continue
+            r = self._running[u.id]
+            setattr(r, synced, u.total_len)
+            if u.hidden is not None and r.feats is not None:
+                r.feats.drop_before(u.total_len - 1)  # the next token's row stays
+        self._recompute |= lost
+        return {
+            u.id: t
+            for u, t in zip(updates, trees, strict=True)
+            if not u.ingest and u.id not in lost
+        }
+
+    def _eagle_updates(
+        self, requests: list[_Request], chunks: list[tuple[_Request, PrefillChunk]]
+    ) -> list[DraftUpdate]:
+        """Updates for an EAGLE drafter: each request's tokens from what the drafter
+        holds up to the last one whose preceding position's features the target has
+        computed, with those rows. A decoding request's chain must reach its root;
+        where it cannot (its features are gone), it gets none and its features are
+        recomputed (`_recompute_features`). Prompt chunks go in one iteration late:
+        the features a chunk's tokens need come from the forward that prefills it."""
+        updates = []
+        for r in requests:
+            rows = None if r.feats is None else r.feats.window(r.drafter_len - 1, len(r.tokens) - 1)
+            if rows is None:
+                self._recompute.add(r.req.id)
+                continue
+            new = np.asarray(r.tokens[r.drafter_len :], np.int32)
+            updates.append(DraftUpdate(r.req.id, new, len(r.tokens), hidden=rows))
+        for r, _ in chunks:
+            if r.feats is None:
+                continue
+            end = min(r.feats.hi + 1, len(r.tokens))
+            rows = r.feats.window(r.drafter_len - 1, end - 1)
+            if end <= r.drafter_len or rows is None:
+                continue
+            new = np.asarray(r.tokens[r.drafter_len : end], np.int32)
+            updates.append(DraftUpdate(r.req.id, new, end, ingest=True, hidden=rows))
+        return updates
 
     def _select(self, step: _Step, trees: list[CandidateTree]) -> list[CandidateTree]:
         if all(len(t) == 1 for t in trees):
@@ -1216,6 +1311,8 @@ class Engine:
         )
         if sp.processes_logits:
             r.prompt_ids = np.asarray(req.prompt_token_ids, dtype=np.int32)
+        if self._feature_dim and r.method in USES_EAGLE:
+            r.feats = FeatureRows(self._feature_dim)
         r.best_effort = self._judge_best_effort(r)
         return r
 
@@ -1264,7 +1361,7 @@ class Engine:
             self._running[r.req.id] = r
             with self._guard(r, "admit"):
                 r.prefilled = self.target.add_sequence(
-                    r.req.id, tokens, use_cache=not r.scores_prompt
+                    r.req.id, tokens, use_cache=self._use_prefix_cache(r)
                 )
                 metrics.prefix_cache_queries.inc(len(tokens))
                 metrics.prefix_cache_hits.inc(r.prefilled)
@@ -1399,6 +1496,8 @@ class Engine:
         if self.ngram is not None and r.ngram_len:
             self.ngram.release([r.req.id])
         r.drafter_len = r.ngram_len = 0
+        if r.feats is not None:  # the recompute that follows computes them again
+            r.feats = FeatureRows(self._feature_dim)
 
     # ---- failure isolation (adaserve/isolation.py) -----------------------------------
 
@@ -1448,8 +1547,29 @@ class Engine:
         self._release_drafts(r)
         r.prefill_target = len(r.tokens) - 1 if r.num_generated else r.num_prompt
         r.prefilled = self.target.add_sequence(
-            r.req.id, r.tokens[: r.prefill_target], use_cache=not r.scores_prompt
+            r.req.id, r.tokens[: r.prefill_target], use_cache=self._use_prefix_cache(r)
         )
+
+    def _use_prefix_cache(self, r: _Request) -> bool:
+        """Whether the request's prefill may take KV from the prefix cache: not where
+        it scores its prompt, nor where an EAGLE drafter needs the features of every
+        position (the cache holds KV, not features: a hit would leave a gap)."""
+        return not r.scores_prompt and r.feats is None
+
+    def _recompute_features(self) -> None:
+        """Requests whose EAGLE drafter lost their state (a restarted drafter service,
+        KV given up under pressure) have features only from the drafter's point on:
+        the verifier recomputes them, prefilling the request's history again with
+        features (as after a failed iteration), and the drafter takes it in full."""
+        ids, self._recompute = self._recompute, set()
+        for rid in sorted(ids):
+            r = self._running.get(rid)
+            if r is None or r.finished or r.feats is None:
+                continue
+            log.info("recomputing the features of %s for its EAGLE drafter", rid)
+            metrics.drafter_resyncs_total.inc()
+            with self._guard(r, "resync"):
+                self._resync(r)
 
     def _flush_releases(self) -> None:
         for drafter in (self.drafter, self.ngram):
@@ -1477,7 +1597,7 @@ class Engine:
         if source == "ngram":
             rejected = bool((tree.parents == accepted_nodes[-1]).any())
             self.ngram_acceptance.observe(accepted, rejected)
-        if self.acceptance is not None and source in ("model", "model+ngram"):
+        if self.acceptance is not None and uses_drafter(source):
             # The plan's acceptance is the model's: the n-gram drafter's trees, free to
             # draft, say nothing about whether its draft steps pay.
             # The run of accepted levels ended in a rejection if the last accepted node
@@ -1520,7 +1640,7 @@ class Engine:
         if not step.decoding:  # a forward of prompt chunks alone
             metrics.iteration_seconds.labels("prefill").observe(t3 - t2)
             return
-        if any(r.source in ("ngram", "model+ngram") for r in step.decoding):
+        if any(r.source == "ngram" or r.source.endswith("+ngram") for r in step.decoding):
             host = (self._ngram_lookup_ms + (t2 - t1) * 1000.0) / len(step.decoding)
             self._ngram_host_ms += 0.3 * (host - self._ngram_host_ms)
         self._iterations += 1

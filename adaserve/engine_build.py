@@ -114,10 +114,14 @@ def build_drafter(
     ms = settings.model
     if not ms.drafter or ms.drafter == "none":
         return None
+    from adaserve.model.eagle import is_eagle_dir
     from adaserve.model.loader import load_runner, resolve_model
 
+    path = resolve_model(ms.drafter, role="drafter")
+    if is_eagle_dir(path):
+        return build_eagle_drafter(settings, path)
     runner = load_runner(
-        resolve_model(ms.drafter, role="drafter"),
+        path,
         device=ms.device,
         dtype=ms.dtype,
         role="drafter",
@@ -132,6 +136,29 @@ def build_drafter(
     )
     report_backend("drafter", runner)
     return BeamDrafter(runner)
+
+
+def build_eagle_drafter(settings: Settings, path: Path) -> Drafter:
+    """An in-process EagleDrafter over the head in `path` (adaserve/model/eagle.py)."""
+    from adaserve.eagle_drafter import EagleDrafter
+    from adaserve.model.eagle import load_eagle_runner
+    from adaserve.model.loader import resolve_device, resolve_dtype
+
+    ms = settings.model
+    device = resolve_device(ms.device)
+    runner = load_eagle_runner(
+        path,
+        device,
+        resolve_dtype(ms.dtype, device),
+        kv_memory_gb=max(settings.engine.kv_memory_gb / 4, 0.25),
+        kv_block_size=settings.engine.kv_block_size,
+        max_model_len=settings.engine.max_model_len,
+        cpu_kernel=ms.cpu_kernel,
+        prefix_caching=settings.engine.prefix_caching,
+        attention_backend=ms.attention_backend,
+    )
+    report_backend("drafter", runner)
+    return EagleDrafter(runner)
 
 
 def report_backend(role: str, runner) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 
 from adaserve import metrics
 from adaserve.checks import check_selection, check_trees
+from adaserve.eagle_drafter import EagleDrafter
 from adaserve.ngram import NgramDrafter
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, Selection, SelectionParams
@@ -39,7 +40,11 @@ class FallbackDrafter:
     whether the last `speculate` reached the drafter (the engine then knows the drafter
     holds the tokens it sent). Releases are queued and sent by `flush`, once per
     iteration, and never while the drafter is down (a hung drafter would otherwise cost
-    a timeout per finishing request)."""
+    a timeout per finishing request).
+
+    An EAGLE drafter's lost requests cannot be re-sent from their tokens (their old
+    features are gone): they get root-only trees, the others are drafted, and `lost`
+    names them for the engine, which has the verifier recompute their features."""
 
     def __init__(
         self,
@@ -54,17 +59,20 @@ class FallbackDrafter:
         self.clock = clock
         self.healthy = True
         self.ok = False
+        self.lost: list[str] = []  # the last call's lost ids it could not re-send
+        self._resend = getattr(drafter, "kind", "model") != "eagle"
         self._retry_at = 0.0
         self._releases: list[str] = []
         # Our own beam search's trees are not re-validated on the hot path (select()
         # checks the structure of whatever it is given anyway); another process's are.
-        self._trusted = isinstance(drafter, BeamDrafter | NgramDrafter)
+        self._trusted = isinstance(drafter, BeamDrafter | NgramDrafter | EagleDrafter)
 
     def speculate(
         self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
     ) -> list[CandidateTree]:
         roots = [CandidateTree.root_only(int(self.history(u.id)[u.total_len - 1])) for u in updates]
         self.ok = False
+        self.lost = []
         if not updates:
             return roots
         if not self.healthy and self.clock() < self._retry_at:
@@ -75,8 +83,10 @@ class FallbackDrafter:
                 trees = self.inner.speculate(updates, depth, width, stop_prob)
             except DrafterStateLost as lost:
                 # Re-sync those requests from their full history; the rest are unchanged.
-                metrics.drafter_resyncs_total.inc(len(lost.ids))
                 ids = set(lost.ids)
+                if not self._resend:
+                    return self._without(updates, ids, roots, depth, width, stop_prob)
+                metrics.drafter_resyncs_total.inc(len(lost.ids))
                 updates = [
                     DraftUpdate(
                         u.id,
@@ -98,6 +108,30 @@ class FallbackDrafter:
         if not self.healthy:
             log.info("drafter recovered; speculation resumes")
             self.healthy = True
+        return trees
+
+    def _without(
+        self,
+        updates: list[DraftUpdate],
+        lost: set[str],
+        roots: list[CandidateTree],
+        depth: int,
+        width: int,
+        stop_prob: float,
+    ) -> list[CandidateTree]:
+        """The trees of the updates not in `lost` (drafted again without them; the
+        drafter changed no state in the failed call); root-only for the lost."""
+        keep = [i for i, u in enumerate(updates) if u.id not in lost]
+        trees = list(roots)
+        if keep:
+            got = self.inner.speculate([updates[i] for i in keep], depth, width, stop_prob)
+            if not self._trusted:
+                check_trees(got, [int(roots[i].tokens[0]) for i in keep], self.vocab_size)
+            for i, t in zip(keep, got, strict=True):
+                trees[i] = t
+        self.lost = sorted(lost)
+        self.ok = True
+        self.healthy = True
         return trees
 
     def release(self, ids: list[str]) -> None:

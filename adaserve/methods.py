@@ -9,8 +9,11 @@ class's `speculation`, else `speculation.default_method`.
   plan and the SLO decide, as they always have).
 - `ngram`: the n-gram drafter's tree (adaserve/ngram.py) every iteration. It costs no
   forward; selection verifies only the nodes whose f pays for their verify time.
-- `eagle`: an EAGLE-style head on the target's hidden states. Reserved: no unit offers
-  one yet, so asking for it is refused as unavailable (`check_available`).
+- `eagle`: an EAGLE-style head on the target's hidden states (adaserve/eagle_drafter.py)
+  where the unit's drafter is one (`--drafter embedded-eagle` or an EAGLE directory):
+  it takes the draft model's place, so such a unit offers `eagle` and not `model`,
+  and `auto` weighs it as it weighs the model (sources "eagle", "eagle+ngram"). A unit
+  without one refuses it as unavailable (`check_available`: HTTP 400).
 - `auto`: per iteration, by the learned acceptance of each method, the load and the
   SLO. Where the plan does not draft for the request with the model (its draft steps
   do not pay at this load and the SLO does not need them), the request gets the
@@ -43,9 +46,10 @@ from adaserve.tree import CandidateTree
 
 METHODS = SPECULATION_METHODS
 # What drafted one verified tree; "model+ngram" is the union of the two.
-SOURCES = ("none", "model", "ngram", "model+ngram")
+SOURCES = ("none", "model", "ngram", "model+ngram", "eagle", "eagle+ngram")
 # Requests whose method may need each drafter (so it ingests their prompts).
 USES_MODEL = frozenset({"auto", "model"})
+USES_EAGLE = frozenset({"auto", "eagle"})
 USES_NGRAM = frozenset({"auto", "ngram"})
 
 
@@ -61,13 +65,22 @@ def resolve_method(requested: str | None, class_method: str | None, default: str
     return check_method(requested or class_method or default)
 
 
-def available_methods(has_model: bool, has_ngram: bool) -> tuple[str, ...]:
+def available_methods(has_model: bool, has_ngram: bool, has_eagle: bool = False) -> tuple[str, ...]:
     """The methods a unit with these drafters serves (auto and none always)."""
-    return tuple(
-        m
-        for m in METHODS
-        if m in ("auto", "none") or (m == "model" and has_model) or (m == "ngram" and has_ngram)
-    )
+    have = {"auto": True, "none": True, "model": has_model, "ngram": has_ngram}
+    have["eagle"] = has_eagle
+    return tuple(m for m in METHODS if have[m])
+
+
+def drafter_source(source: str, kind: str) -> str:
+    """`choose_source`'s answer named after the unit's drafter: "model" -> "eagle"
+    (and "model+ngram" -> "eagle+ngram") where the drafter is an EAGLE head."""
+    return source.replace("model", kind) if kind != "model" else source
+
+
+def uses_drafter(source: str) -> bool:
+    """Whether a tree from `source` holds the drafter's (model or EAGLE) nodes."""
+    return source.split("+")[0] in ("model", "eagle")
 
 
 def check_available(method: str, available: Iterable[str]) -> None:
@@ -101,7 +114,7 @@ def choose_source(
     if method == "ngram":
         return "ngram" if has_ngram else "none"
     use_model = planned and has_model
-    if method == "model":
+    if method in ("model", "eagle"):  # the unit's one drafter, whichever kind it is
         return "model" if use_model else "none"
     if not has_ngram:
         return "model" if use_model else "none"

@@ -55,6 +55,10 @@ class DraftUpdate:
     # Take the tokens into the draft KV and draft nothing (a prompt being prefilled in
     # chunks: the drafter prefills the same chunk in the same iteration).
     ingest: bool = False
+    # An EAGLE drafter's input (adaserve/eagle_drafter.py): the target's features
+    # [len(new_tokens), F*H] (float16 or float32), row i those of the position before
+    # new_tokens[i] (zeros before position 0). None for every other drafter.
+    hidden: np.ndarray | None = None
 
 
 class DrafterStateLost(RuntimeError):
@@ -132,6 +136,7 @@ class BeamDrafter:
         if len(set(ids)) != len(ids):
             raise ValueError("speculate: a request appears twice in one call")
         news = [np.asarray(u.new_tokens, dtype=np.int32).reshape(-1) for u in updates]
+        self._check_inputs(updates, news)
         self._check_consistent(updates, news)
 
         # Full histories (first call, or a resync after DrafterStateLost) start afresh.
@@ -147,6 +152,7 @@ class BeamDrafter:
             u.id: np.concatenate([self._pending[u.id], new[cached.get(u.id, 0) :]])
             for u, new in zip(updates, news, strict=True)
         }
+        self._take_rows(updates, cached)
         roots = [int(chains[u.id][-1]) for u in updates]
         limit = int(getattr(self.runner, "max_model_len", 1 << 62))
         ingest = [u for u in updates if u.ingest and chains[u.id].shape[0]]
@@ -169,6 +175,7 @@ class BeamDrafter:
             self.runner.commit(u.id, range(chains[u.id].shape[0]))
             chains[u.id] = np.zeros(0, dtype=np.int32)
         self._pending.update(chains)
+        self._committed_rows([u.id for u in [*ingest, *active]])
 
         row = {u.id: i for i, u in enumerate(active)}
         trees = []
@@ -188,6 +195,33 @@ class BeamDrafter:
 
     def stats(self) -> DrafterStats:
         return DrafterStats(len(self._pending), float(self.runner.kv_usage()))
+
+    # -- what a drafter with more inputs per token than its token (EagleDrafter) adds --
+
+    def _check_inputs(self, updates: list[DraftUpdate], news: list[np.ndarray]) -> None:
+        """Checks an update's other inputs before any state changes (ValueError)."""
+
+    def _take_rows(self, updates: list[DraftUpdate], cached: dict[str, int]) -> None:
+        """The updates' other inputs join the pending chains (`cached`: leading tokens
+        of a fresh history its prefix cache holds)."""
+
+    def _committed_rows(self, ids: list[str]) -> None:
+        """The chains of `ids` went into the draft KV."""
+
+    def _first_step(self, active: list[DraftUpdate], chains: dict[str, np.ndarray]):
+        """Step 1: each active request's pending chain; logits of its last node."""
+        from adaserve.model.runner import SeqInput
+
+        return self._forward_last([SeqInput.chain(u.id, chains[u.id]) for u in active])
+
+    def _frontier_step(self, inputs, alive: np.ndarray, width: int) -> torch.Tensor:
+        """Steps 2..d: the frontier nodes of the requests still searching (`alive`,
+        w each); logits of every node."""
+        return self.runner.forward(inputs)
+
+    def _kept(self, alive: np.ndarray, beam: torch.Tensor) -> None:
+        """The search kept, per alive request, the children of frontier nodes `beam`
+        ([m, w], index within the request's frontier)."""
 
     # -- internals -------------------------------------------------------------------
 
@@ -255,7 +289,7 @@ class BeamDrafter:
         from adaserve.model.runner import SeqInput
 
         n = len(active)
-        logits = self._forward_last([SeqInput.chain(u.id, chains[u.id]) for u in active])
+        logits = self._first_step(active, chains)
         if width > logits.shape[-1]:
             raise ValueError(
                 f"speculate: width {width} exceeds the draft vocabulary ({logits.shape[-1]})"
@@ -291,12 +325,13 @@ class BeamDrafter:
             # (a beam adds one constant path log-prob to all its children), so rank the
             # w*w survivors instead of [n, w*V] scores.
             m = alive.shape[0]
-            child_cond, child_ids = _top_children(self.runner.forward(inputs), width)
+            child_cond, child_ids = _top_children(self._frontier_step(inputs, alive, width), width)
             rows = torch.as_tensor(alive, device=path.device)
             scores = path[rows][:, :, None] + child_cond.view(m, width, width)
             best, flat = scores.view(m, width * width).topk(width, dim=-1)  # [m, w]
             new_ids = child_ids.view(m, width * width).gather(1, flat)
             new_cond = child_cond.view(m, width * width).gather(1, flat)
+            self._kept(alive, flat // width)
             if m == n:
                 path, beam_parent, draft_ids, cond = best, flat // width, new_ids, new_cond
             else:  # requests that stopped carry copies of their last layer, never read

@@ -66,6 +66,11 @@ class ForwardResult:
     # one per chunk, where it asked for prompt logprobs (`PrefillChunk.scored`): the
     # scored tokens' logprobs, ranks and top-k (raw log-softmax)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Where the target returns features (`feature_layers`, an EAGLE drafter in use):
+    # float16 [len(accepted_nodes), F*H] per tree (its root and accepted path), and
+    # float16 [len(tokens), F*H] per chunk; None otherwise.
+    tree_features: list[np.ndarray] | None = None
+    chunk_features: list[np.ndarray] | None = None
 
 
 class TargetModel(Protocol):
@@ -145,6 +150,30 @@ class RunnerTarget:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.block_size = int(runner.block_size)
         self.num_blocks = int(runner.num_blocks)
+        # Target layers whose outputs an EAGLE drafter reads; () computes none.
+        self.feature_layers: tuple[int, ...] = ()
+
+    def return_features(
+        self, layers: Sequence[int], target_layers: int = -1, hidden_size: int = -1
+    ) -> None:
+        """Return the features of `layers` with every forward from now on (see
+        ForwardResult.tree_features). Needs a runner that computes them (ModelRunner,
+        and TPRunner with rank 0's replicated ones): ValueError otherwise."""
+        if layers and not hasattr(self.runner, "forward_features"):
+            raise ValueError(
+                f"an EAGLE drafter needs the target's hidden states, which "
+                f"{type(self.runner).__name__} does not return (use tp 1)"
+            )
+        n, h = int(self.runner.config.num_layers), int(self.runner.config.hidden_size)
+        # The head names the target it was trained on by its shape (-1: not told).
+        if target_layers not in (-1, n) or hidden_size not in (-1, h):
+            raise ValueError(
+                f"the EAGLE head was trained on a target of {target_layers} layers of "
+                f"{hidden_size}; this target has {n} of {h}: wrong target?"
+            )
+        if any(not 0 <= int(i) < n for i in layers):
+            raise ValueError(f"feature layers {list(layers)} outside the target's {n} layers")
+        self.feature_layers = tuple(int(i) for i in layers)
 
     def add_sequence(self, seq_id: str, tokens: Sequence[int], use_cache: bool = True) -> int:
         return self.runner.add_sequence(seq_id, tokens, use_cache)
@@ -171,7 +200,11 @@ class RunnerTarget:
             if c.last:
                 finals.append(len(rows))
                 rows.append(pos - 1)
-        logits = self.runner.forward(inputs, logits_indices=rows)  # KVCacheFull: nothing done
+        feats = None
+        if self.feature_layers:  # KVCacheFull: nothing done
+            logits, feats = self.runner.forward_features(inputs, self.feature_layers, rows)
+        else:
+            logits = self.runner.forward(inputs, logits_indices=rows)
         n_tree = sum(len(it.tree) for it in trees)
         raw = _process(logits[:n_tree], trees)
         verified = verify_batch(
@@ -219,7 +252,10 @@ class RunnerTarget:
             res = verify_tree(root, row, c.sampling, c.generator, eos_token_ids=self.eos_token_ids)
             first.append(int(res.emitted_tokens[0]))
             first_lp.append(None if k is None else token_logprobs(raw_row, res.emitted_tokens, k))
-        return ForwardResult(verified, first, first_lp, prompt_lp)
+        result = ForwardResult(verified, first, first_lp, prompt_lp)
+        if feats is not None:
+            result = _with_features(result, feats, trees, chunks)
+        return result
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
@@ -240,3 +276,26 @@ class RunnerTarget:
         # Counter-based stream: a seeded request samples the same tokens whatever the
         # batch or the tree shapes (see adaserve/sampling.py).
         return TokenRng(seed)
+
+
+def _with_features(
+    result: ForwardResult,
+    feats: torch.Tensor,
+    trees: Sequence[VerifyItem],
+    chunks: Sequence[PrefillChunk],
+) -> ForwardResult:
+    """The result with each tree's root-and-accepted rows and each chunk's rows of the
+    forward's features, float16 on the host (what goes to the drafter)."""
+    # float16 on the wire; a value past its range (a model's outlier activations) is
+    # clipped to it rather than becoming inf, which the drafter would refuse.
+    fp16_max = torch.finfo(torch.float16).max
+    host = feats.float().clamp(-fp16_max, fp16_max).to(torch.float16).cpu().numpy()
+    per_tree, offset = [], 0
+    for it, res in zip(trees, result.verified, strict=True):
+        per_tree.append(host[offset + res.accepted_nodes.astype(np.int64)])
+        offset += len(it.tree)
+    per_chunk = []
+    for c in chunks:
+        per_chunk.append(host[offset : offset + len(c.tokens)])
+        offset += len(c.tokens)
+    return replace(result, tree_features=per_tree, chunk_features=per_chunk)

@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--config", default="configs/embedded-cpu.yaml")
+    p.add_argument("--drafter", default="embedded", help="adaserve's drafter (embedded-eagle)")
     p.add_argument("--out", default="benchmarks/results/llamacpp")
     args = p.parse_args()
 
@@ -136,7 +137,7 @@ def main() -> int:
         return json.loads(worker.stdout.readline())
 
     port = free_port()
-    up = ["--all-in-one", "--target", "embedded", "--drafter", "embedded"]
+    up = ["--all-in-one", "--target", "embedded", "--drafter", args.drafter]
     up += ["--config", args.config, "--metrics-port", str(free_port())]
     proc = start_up(up, port, out / "up.log")
     modes = ["llama.cpp", *args.methods]

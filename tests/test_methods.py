@@ -10,7 +10,6 @@ import collections
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 
 from adaserve import metrics
 from adaserve.config import Settings, load_settings
@@ -241,15 +240,17 @@ def test_bad_and_unavailable_methods_are_refused_naming_the_field(target_dir):
     assert off.info().speculation_methods == ("auto", "none")
 
 
-def test_eagle_is_refused_as_a_configured_method():
-    # No EAGLE drafter ships (issue 25): a deployment default or an SLO class naming it
-    # would refuse every request, so the configuration itself is refused.
-    with pytest.raises(ValidationError, match="'eagle' is not available"):
-        Settings.model_validate({"speculation": {"default_method": "eagle"}})
-    with pytest.raises(ValidationError, match="'eagle' is not available"):
-        Settings.model_validate(
-            {"slo": {"classes": {"x": {"tpot_ms": 50.0, "speculation": "eagle"}}}}
+def test_eagle_configured_without_an_eagle_drafter_is_refused_at_startup(target_dir):
+    # A deployment default or an SLO class naming eagle on a unit without an EAGLE
+    # drafter would refuse every request it covers: the engine refuses to start.
+    with pytest.raises(ValueError, match=r"default_method 'eagle' is not available"):
+        make_engine(target_dir, target_dir, speculation={"default_method": "eagle"})
+    with pytest.raises(ValueError, match=r"slo\.classes\.x\.speculation 'eagle'"):
+        make_engine(
+            target_dir, None, slo={"classes": {"x": {"tpot_ms": 50.0, "speculation": "eagle"}}}
         )
+    # The settings themselves are valid: a unit with an EAGLE drafter serves them.
+    Settings.model_validate({"speculation": {"default_method": "eagle"}})
 
 
 # ---- auto: the load and the SLO ---------------------------------------------------

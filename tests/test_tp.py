@@ -67,6 +67,30 @@ def test_tp_matches_single_process(tiny_llama_untied_dir: Path, tp: int) -> None
         runner.close()
 
 
+def test_tp_returns_the_single_process_features(tiny_llama_untied_dir: Path) -> None:
+    """An EAGLE drafter's input under tensor parallelism: rank 0's hidden states."""
+    one = load_runner(tiny_llama_untied_dir, "cpu", "float32", **KV)
+    one.add_sequence("a")
+    want = one.forward_features([SeqInput.chain("a", [5, 6, 7, 8])], (0, 1), [3])
+    runner = load_runner(tiny_llama_untied_dir, "cpu", "float32", tp=2, **KV)
+    try:
+        runner.add_sequence("a")
+        got = runner.forward_features([SeqInput.chain("a", [5, 6, 7, 8])], (0, 1), [3])
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        assert got[1] is not None and want[1] is not None
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        runner.commit("a", range(4))  # the followers stayed in step
+        one.commit("a", range(4))
+        torch.testing.assert_close(
+            runner.forward([SeqInput.chain("a", [9])]),
+            one.forward([SeqInput.chain("a", [9])]),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+    finally:
+        runner.close()
+
+
 def test_tp_rejects_indivisible_heads(tiny_llama_dir: Path) -> None:
     with pytest.raises((ValueError, RuntimeError), match="divisible"):
         load_runner(tiny_llama_dir, "cpu", "float32", tp=3, **KV)  # 4 KV heads

@@ -3,6 +3,7 @@ before the URLs are printed, and all of them gone after Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -125,6 +126,27 @@ def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
         _shutdown(proc, pids, signal.SIGINT)
     finally:
         proc.stop(signal.SIGKILL)
+
+
+def test_services_die_with_a_killed_launcher(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """`adaserve up` killed outright (SIGKILL: no chance to stop its services) takes
+    them with it instead of leaving them serving, ports held, as orphans."""
+    target, drafter = models
+    proc, _ = _launch(tmp_path, "--target", str(target), "--drafter", str(drafter))
+    pids: dict[str, int] = {}
+    try:
+        pids = _child_pids(_wait_for(proc, r"Press Ctrl-C"))
+        assert set(pids) == {"scheduler", "drafter-0", "verifier-0", "gateway"}
+        os.kill(proc.p.pid, signal.SIGKILL)  # the launcher alone, not its group
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids.values()), pids
+    finally:
+        proc.stop(signal.SIGKILL)
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_separate_processes_two_units(models: tuple[Path, Path], tmp_path: Path) -> None:

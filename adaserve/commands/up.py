@@ -64,7 +64,9 @@ def service_env(base: os._Environ | dict[str, str], shared_cpu: bool = False) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="embedded", help="target model (PATH or embedded)")
     parser.add_argument(
-        "--drafter", default="embedded", help="drafter model (PATH, embedded, or none)"
+        "--drafter",
+        default="embedded",
+        help="drafter: a draft model or an EAGLE head (PATH, embedded, embedded-eagle, or none)",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per unit")
     parser.add_argument(
@@ -154,6 +156,9 @@ class Service:
             stdin=subprocess.DEVNULL,
             env=service_env(os.environ, self.shared_cpu),
             start_new_session=True,  # own process group: TP ranks die with it
+            # A launcher killed outright (SIGKILL, OOM) cannot stop its services: they
+            # get SIGTERM from the kernel instead of serving on as orphans.
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         log.close()
         return self.proc
@@ -277,6 +282,15 @@ def plan(args: argparse.Namespace, log_dir: Path) -> list[Service]:
         gw += ["--verifier", v]
     add("gateway", gw, None, settle_first=True)  # after the verifiers timed the hardware
     return services
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies (prctl
+    PR_SET_PDEATHSIG; the launcher starts services from its main thread only, whose
+    exit is the launcher's)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def metrics_ports(args: argparse.Namespace) -> list[int]:

@@ -8,6 +8,7 @@ CPU, where a 135M model's decode step is mostly overhead and weight reads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -156,13 +157,37 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """ids, positions: [T]; logits_rows: which of the T tokens need logits (None: all).
         Returns logits [rows, vocab] in the model dtype."""
+        return self.forward_features(ids, positions, backend, kv, meta, logits_rows, ())[0]
+
+    def forward_features(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv: KVStorage,
+        meta: Any,
+        logits_rows: torch.Tensor | None,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the residual stream after each of `feature_layers` (before
+        the final norm), concatenated in that order: [T, len * hidden], every row (an
+        EAGLE head reads them, adaserve/model/eagle.py); None when none are asked."""
         x = self.embed(ids)
         rope = self.rotary.tables(positions)
-        for layer in self.layers:
+        want = {int(i): k for k, i in enumerate(feature_layers)}
+        taken: list[torch.Tensor | None] = [None] * len(want)
+        for i, layer in enumerate(self.layers):
             x = layer(x, self.rotary, rope, backend, kv, meta)
+            if i in want:  # each layer returns a tensor of its own: no copy needed
+                taken[want[i]] = x
+        feats = None
+        if want:
+            if any(t is None for t in taken):
+                raise ValueError(f"feature layers {list(feature_layers)} not all in this model")
+            feats = torch.cat([t for t in taken if t is not None], dim=-1)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)), feats
 
     @torch.no_grad()
     def load_weights(self, src: WeightSource) -> None:

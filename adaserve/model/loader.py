@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2"
+# The EAGLE head trained for the embedded target (`--drafter embedded-eagle`).
+EMBEDDED_EAGLE = "embedded-eagle"
+EAGLE_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-eagle"
 DEFAULT_KV_MEMORY_GB = 2.0
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,6 +53,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def resolve_model(spec: str | os.PathLike, role: str = "target") -> Path:
     """A local HF directory for `spec`: itself if it is one, a cached conversion of a
     .gguf file, or the embedded model (`role` picks the target or the shipped drafter)."""
+    if str(spec) == EMBEDDED_EAGLE:
+        if role != "drafter" or not (EAGLE_ASSET / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{EMBEDDED_EAGLE}: a drafter name only, and {EAGLE_ASSET} has no trained "
+                f"EAGLE head yet (run `adaserve distill --kind eagle` or pass its directory)"
+            )
+        return EAGLE_ASSET
     if str(spec) == EMBEDDED:
         if role == "drafter":
             if not (DRAFTER_ASSET / "config.json").is_file():

@@ -192,6 +192,31 @@ class ModelRunner:
         )
         return logits.float()
 
+    @torch.inference_mode()
+    def forward_features(
+        self,
+        inputs: list[SeqInput],
+        feature_layers: Sequence[int],
+        logits_indices: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the hidden states after `feature_layers` for every new node
+        ([sum k, len * hidden], model dtype; None when no layer is asked): what an EAGLE
+        drafter reads (LlamaModel.forward_features)."""
+        fb = self.prepare(inputs, logits_indices)
+        meta = self.backend.plan(fb.attention)
+        dev = self.device
+        rows = None if fb.logits_rows is None else torch.from_numpy(fb.logits_rows).to(dev)
+        logits, feats = self.model.forward_features(
+            torch.from_numpy(fb.ids).to(dev),
+            torch.from_numpy(fb.positions).to(dev),
+            self.backend,
+            self.cache.storage,
+            meta,
+            rows,
+            feature_layers,
+        )
+        return logits.float(), feats
+
     def _append(self, inputs: list[SeqInput]) -> tuple[AttentionBatch, np.ndarray]:
         """Add the new nodes to each sequence's scratch (blocks already reserved) and
         describe what they attend to. Returns the batch and positions int64 [T]."""

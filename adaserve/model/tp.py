@@ -186,6 +186,19 @@ class TPRunner:
         assert logits is not None  # apply() returns a Forward's logits
         return logits
 
+    def forward_features(
+        self,
+        inputs: list[SeqInput],
+        feature_layers: Sequence[int],
+        logits_indices: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` plus the features of `feature_layers` (an EAGLE drafter's input):
+        the followers run the plain forward (the same collectives), rank 0 keeps its
+        own hidden states, which every rank holds whole after each layer's all-reduce."""
+        idx = None if logits_indices is None else [int(i) for i in logits_indices]
+        _broadcast(Forward(list(inputs), idx, False), self._control)
+        return self.local.forward_features(list(inputs), feature_layers, idx)
+
     def commit(self, seq_id: str, keep: Sequence[int]) -> None:
         self._run(Commit(seq_id, [int(s) for s in keep]))
 

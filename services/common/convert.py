@@ -301,19 +301,55 @@ def speculate_request_to_pb(
     updates: Sequence[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
 ) -> drafter_pb2.SpeculateRequest:
     return drafter_pb2.SpeculateRequest(
-        updates=[
-            drafter_pb2.DraftUpdate(
-                id=u.id,
-                new_tokens=packed(u.new_tokens, I32),
-                total_len=u.total_len,
-                ingest=u.ingest,
-            )
-            for u in updates
-        ],
+        updates=[_draft_update_to_pb(u) for u in updates],
         depth=depth,
         width=width,
         stop_prob=stop_prob,
     )
+
+
+# Feature rows on the wire (DraftUpdate.hidden): little-endian, as the engine keeps them.
+_HIDDEN_TO_PB = {
+    np.dtype(np.float16): drafter_pb2.HIDDEN_DTYPE_FLOAT16,
+    np.dtype(np.float32): drafter_pb2.HIDDEN_DTYPE_FLOAT32,
+}
+_HIDDEN_FROM_PB = {v: k.newbyteorder("<") for k, v in _HIDDEN_TO_PB.items()}
+
+
+def _draft_update_to_pb(u: DraftUpdate) -> drafter_pb2.DraftUpdate:
+    msg = drafter_pb2.DraftUpdate(
+        id=u.id, new_tokens=packed(u.new_tokens, I32), total_len=u.total_len, ingest=u.ingest
+    )
+    if u.hidden is not None:
+        dtype = np.dtype(u.hidden.dtype)
+        if dtype not in _HIDDEN_TO_PB or u.hidden.ndim != 2:
+            raise ValueError(f"hidden of {u.id!r}: float16 or float32 [k, F*H], got {dtype}")
+        msg.hidden = packed(u.hidden, _HIDDEN_FROM_PB[_HIDDEN_TO_PB[dtype]])
+        msg.hidden_rows, msg.hidden_cols = u.hidden.shape
+        msg.hidden_dtype = _HIDDEN_TO_PB[dtype]
+    return msg
+
+
+def hidden_from_pb(u: drafter_pb2.DraftUpdate, field: str) -> np.ndarray | None:
+    """A DraftUpdate's feature rows ([rows, cols] view), None where it sent none;
+    WireError where the payload and its shape and dtype disagree (the drafter checks
+    them against its tokens and its feature size)."""
+    if not u.hidden and u.hidden_dtype == drafter_pb2.HIDDEN_DTYPE_UNSPECIFIED:
+        if u.hidden_rows or u.hidden_cols:
+            raise WireError(f"{field}: a shape but no hidden_dtype")
+        return None
+    dtype = _HIDDEN_FROM_PB.get(u.hidden_dtype)
+    if dtype is None:
+        raise WireError(f"{field}: unknown hidden_dtype {u.hidden_dtype}")
+    if u.hidden_rows < 0 or u.hidden_cols < 0:
+        raise WireError(f"{field}: negative shape [{u.hidden_rows}, {u.hidden_cols}]")
+    want = u.hidden_rows * u.hidden_cols * dtype.itemsize
+    if len(u.hidden) != want:
+        raise WireError(
+            f"{field}: {len(u.hidden)} bytes for [{u.hidden_rows}, {u.hidden_cols}] "
+            f"{dtype.name} ({want} expected)"
+        )
+    return np.frombuffer(u.hidden, dtype=dtype).reshape(u.hidden_rows, u.hidden_cols)
 
 
 def speculate_request_from_pb(
@@ -328,7 +364,8 @@ def speculate_request_from_pb(
         if not u.id:
             raise WireError(f"updates[{k}].id: empty request id")
         tokens = unpacked(u.new_tokens, I32, f"updates[{k}].new_tokens")
-        updates.append(DraftUpdate(u.id, tokens, u.total_len, ingest=u.ingest))
+        hidden = hidden_from_pb(u, f"updates[{k}].hidden")
+        updates.append(DraftUpdate(u.id, tokens, u.total_len, ingest=u.ingest, hidden=hidden))
     return updates, msg.depth, msg.width, msg.stop_prob
 
 

@@ -24,7 +24,7 @@ import grpc
 
 from adaserve.model.kv_cache import KVCacheFull
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from adaserve.speculate import BeamDrafter, DrafterStateLost, DraftUpdate
+from adaserve.speculate import Drafter, DrafterStateLost, DraftUpdate
 from adaserve.torch_thread import torch_thread
 from adaserve.tree import CandidateTree
 from services.common import faults
@@ -43,7 +43,7 @@ class DeadlinePassed(Exception):
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, drafter: BeamDrafter, worker: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, drafter: Drafter, worker: ThreadPoolExecutor | None = None) -> None:
         self.drafter = drafter
         # The thread that loaded the model, where there is one (adaserve/torch_thread.py).
         self._worker = worker or torch_thread("drafter")
@@ -98,8 +98,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Stats(
         self, request: drafter_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.StatsResponse:
-        stats = await self._run(self.drafter.stats)
-        return drafter_pb2.StatsResponse(num_sequences=stats.num_sequences, kv_usage=stats.kv_usage)
+        stats = await self._run(self.drafter.stats)  # type: ignore[attr-defined]
+        reply = drafter_pb2.StatsResponse(
+            num_sequences=stats.num_sequences,
+            kv_usage=stats.kv_usage,
+            kind=str(getattr(self.drafter, "kind", "model")),
+        )
+        spec = getattr(self.drafter, "spec", None)  # an EAGLE head: what the verifier sends
+        if spec is not None:
+            reply.feature_layers.extend(spec.feature_layers)
+            reply.feature_dim = spec.feature_dim
+        return reply
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -121,7 +130,7 @@ def _timing(t0: int, t1: int, t2: int, t3: int) -> common_pb2.ServerTiming:
 
 
 def build_server(
-    drafter: BeamDrafter,
+    drafter: Drafter,
     host: str,
     port: int,
     *,

@@ -28,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=50053, help="0 picks a free port")
     parser.add_argument("--target", help="target model: HF directory, .gguf or 'embedded'")
-    parser.add_argument("--drafter", help="in-process drafter model (PATH, 'embedded' or 'none')")
+    parser.add_argument(
+        "--drafter",
+        help="in-process drafter: a draft model or an EAGLE head (PATH, 'embedded', "
+        "'embedded-eagle' or 'none')",
+    )
     parser.add_argument("--drafter-address", metavar="H:P", help="drafter service")
     parser.add_argument("--scheduler-address", metavar="H:P", help="scheduler service")
     parser.add_argument("--tp", type=int, help="tensor-parallel degree (ranks started here)")

@@ -20,7 +20,9 @@ from adaserve.speculate import Drafter
 def grpc_drafter(address: str, timeout_s: float) -> Drafter:
     from services.drafter.client import GrpcDrafter
 
-    return GrpcDrafter(address, timeout_s=timeout_s)
+    drafter = GrpcDrafter(address, timeout_s=timeout_s)
+    drafter.describe()  # an EAGLE head needs the target's features from the start
+    return drafter
 
 
 def grpc_scheduler(address: str, settings: SchedulerSettings, timeout_s: float) -> Scheduler:

@@ -25,27 +25,29 @@ _sym_db = _symbol_database.Default()
 from adaserve.rpc.v1 import common_pb2 as adaserve_dot_rpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61\x64\x61serve/rpc/v1/drafter.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1c\x61\x64\x61serve/rpc/v1/common.proto\"P\n\x0b\x44raftUpdate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x01(\x0c\x12\x11\n\ttotal_len\x18\x03 \x01(\x03\x12\x0e\n\x06ingest\x18\x04 \x01(\x08\"r\n\x10SpeculateRequest\x12-\n\x07updates\x18\x01 \x03(\x0b\x32\x1c.adaserve.rpc.v1.DraftUpdate\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x11\n\tstop_prob\x18\x04 \x01(\x01\"\x88\x01\n\x11SpeculateResponse\x12\x32\n\x05trees\x18\x01 \x01(\x0b\x32#.adaserve.rpc.v1.CandidateTreeBatch\x12\x10\n\x08lost_ids\x18\x02 \x03(\t\x12-\n\x06timing\x18\x03 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ServerTiming\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"8\n\rStatsResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\x03\x12\x10\n\x08kv_usage\x18\x02 \x01(\x01\x32\xf3\x01\n\x07\x44rafter\x12R\n\tSpeculate\x12!.adaserve.rpc.v1.SpeculateRequest\x1a\".adaserve.rpc.v1.SpeculateResponse\x12L\n\x07Release\x12\x1f.adaserve.rpc.v1.ReleaseRequest\x1a .adaserve.rpc.v1.ReleaseResponse\x12\x46\n\x05Stats\x12\x1d.adaserve.rpc.v1.StatsRequest\x1a\x1e.adaserve.rpc.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61\x64\x61serve/rpc/v1/drafter.proto\x12\x0f\x61\x64\x61serve.rpc.v1\x1a\x1c\x61\x64\x61serve/rpc/v1/common.proto\"\xbe\x01\n\x0b\x44raftUpdate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x01(\x0c\x12\x11\n\ttotal_len\x18\x03 \x01(\x03\x12\x0e\n\x06ingest\x18\x04 \x01(\x08\x12\x0e\n\x06hidden\x18\x05 \x01(\x0c\x12\x13\n\x0bhidden_rows\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_cols\x18\x07 \x01(\x05\x12\x32\n\x0chidden_dtype\x18\x08 \x01(\x0e\x32\x1c.adaserve.rpc.v1.HiddenDtype\"r\n\x10SpeculateRequest\x12-\n\x07updates\x18\x01 \x03(\x0b\x32\x1c.adaserve.rpc.v1.DraftUpdate\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x11\n\tstop_prob\x18\x04 \x01(\x01\"\x88\x01\n\x11SpeculateResponse\x12\x32\n\x05trees\x18\x01 \x01(\x0b\x32#.adaserve.rpc.v1.CandidateTreeBatch\x12\x10\n\x08lost_ids\x18\x02 \x03(\t\x12-\n\x06timing\x18\x03 \x01(\x0b\x32\x1d.adaserve.rpc.v1.ServerTiming\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"s\n\rStatsResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\x03\x12\x10\n\x08kv_usage\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x04 \x03(\x05\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x05 \x01(\x05*_\n\x0bHiddenDtype\x12\x1c\n\x18HIDDEN_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14HIDDEN_DTYPE_FLOAT16\x10\x01\x12\x18\n\x14HIDDEN_DTYPE_FLOAT32\x10\x02\x32\xf3\x01\n\x07\x44rafter\x12R\n\tSpeculate\x12!.adaserve.rpc.v1.SpeculateRequest\x1a\".adaserve.rpc.v1.SpeculateResponse\x12L\n\x07Release\x12\x1f.adaserve.rpc.v1.ReleaseRequest\x1a .adaserve.rpc.v1.ReleaseResponse\x12\x46\n\x05Stats\x12\x1d.adaserve.rpc.v1.StatsRequest\x1a\x1e.adaserve.rpc.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaserve.rpc.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTUPDATE']._serialized_start=80
-  _globals['_DRAFTUPDATE']._serialized_end=160
-  _globals['_SPECULATEREQUEST']._serialized_start=162
-  _globals['_SPECULATEREQUEST']._serialized_end=276
-  _globals['_SPECULATERESPONSE']._serialized_start=279
-  _globals['_SPECULATERESPONSE']._serialized_end=415
-  _globals['_RELEASEREQUEST']._serialized_start=417
-  _globals['_RELEASEREQUEST']._serialized_end=446
-  _globals['_RELEASERESPONSE']._serialized_start=448
-  _globals['_RELEASERESPONSE']._serialized_end=465
-  _globals['_STATSREQUEST']._serialized_start=467
-  _globals['_STATSREQUEST']._serialized_end=481
-  _globals['_STATSRESPONSE']._serialized_start=483
-  _globals['_STATSRESPONSE']._serialized_end=539
-  _globals['_DRAFTER']._serialized_start=542
-  _globals['_DRAFTER']._serialized_end=785
+  _globals['_HIDDENDTYPE']._serialized_start=711
+  _globals['_HIDDENDTYPE']._serialized_end=806
+  _globals['_DRAFTUPDATE']._serialized_start=81
+  _globals['_DRAFTUPDATE']._serialized_end=271
+  _globals['_SPECULATEREQUEST']._serialized_start=273
+  _globals['_SPECULATEREQUEST']._serialized_end=387
+  _globals['_SPECULATERESPONSE']._serialized_start=390
+  _globals['_SPECULATERESPONSE']._serialized_end=526
+  _globals['_RELEASEREQUEST']._serialized_start=528
+  _globals['_RELEASEREQUEST']._serialized_end=557
+  _globals['_RELEASERESPONSE']._serialized_start=559
+  _globals['_RELEASERESPONSE']._serialized_end=576
+  _globals['_STATSREQUEST']._serialized_start=578
+  _globals['_STATSREQUEST']._serialized_end=592
+  _globals['_STATSRESPONSE']._serialized_start=594
+  _globals['_STATSRESPONSE']._serialized_end=709
+  _globals['_DRAFTER']._serialized_start=809
+  _globals['_DRAFTER']._serialized_end=1052
 # @@protoc_insertion_point(module_scope)
