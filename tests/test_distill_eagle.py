@@ -326,3 +326,43 @@ def test_shipped_eagle_head_measures(tmp_path: Path) -> None:
     eagle = result["embedded-eagle"]
     assert eagle["kind"] == "eagle" and eagle["tokens"] == result["ngram"]["tokens"] > 0
     assert eagle["mean_emitted"] > 1.3 and eagle["top1_agreement"] > 0.3
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_trained_head_runs_the_same_in_the_serving_runner(embedded_dir: Path) -> None:
+    """The contract from both ends: the shipped head, loaded by the trainer's measuring
+    code and by the server's EagleRunner, gives the same h and logits, teacher-forced on
+    the target's real features and for a drafted child reading its parent's h."""
+    from adaserve.commands.measure_drafter import EMBEDDED_EAGLE
+    from adaserve.distill.eagle_export import load_eagle
+    from adaserve.model.eagle import load_eagle_runner
+    from adaserve.model.runner import SeqInput
+
+    if not (EMBEDDED_EAGLE / "config.json").is_file():
+        pytest.skip("no shipped EAGLE head")
+    head, lm_head, d2t = load_eagle(EMBEDDED_EAGLE, embedded_dir)
+    target = load_teacher(embedded_dir)
+    tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 314, 1345, 28, 2]
+    ids = torch.tensor([tokens])
+    _, feats = target.forward_features(ids, head.feature_layers)
+    assert feats is not None
+    want_h = head.forward(ids, feats)[0]
+    want_logits = head.logits(want_h, lm_head)
+    runner = load_eagle_runner(EMBEDDED_EAGLE, torch.device("cpu"), torch.float32, kv_blocks=16)
+    runner.add_sequence("s", tokens)
+    g_prev = torch.cat([torch.zeros(1, feats.shape[2]), feats[0, :-1]])
+    logits, h = runner.forward_head([SeqInput.chain("s", tokens)], runner.fuse(g_prev))
+    torch.testing.assert_close(h, want_h, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(logits, want_logits, atol=2e-3, rtol=2e-3)
+    runner.commit("s", range(len(tokens)))
+    kid = int(d2t[logits[-1].argmax()])  # the first draft, as a target token
+    got, _ = runner.forward_head(
+        [SeqInput("s", np.array([kid], np.int32), np.array([-1], np.int32))], h[-1:]
+    )
+    x = torch.cat(
+        [head.inputs(ids[0], head.fused(g_prev)), head.inputs(torch.tensor([kid]), want_h[-1:])]
+    )
+    torch.testing.assert_close(
+        got[0], head.logits(head.run(x[None])[0, -1], lm_head), atol=2e-3, rtol=2e-3
+    )
