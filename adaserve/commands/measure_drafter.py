@@ -10,10 +10,14 @@ for each model, one sequence, on the CPU.
 `--drafter` takes several drafters, measured on the same target continuations (one
 generation); `ngram` names the n-gram drafter (adaserve/ngram.py), whose chain steps
 are simulated draft by draft and whose cost is the mean time of one depth-`--depth`
-draft.
+draft. An EAGLE head (`embedded-eagle` or a directory whose config says
+`adaserve_drafter_kind: eagle`) reads the target's features, captured while the target
+writes the continuations; its j-th draft reads its own (j-1)-th output, so its chain
+steps are computed exactly, draft by draft (adaserve/distill/eagle_measure.py).
 
     adaserve measure-drafter --target embedded --drafter embedded --limit 48
     adaserve measure-drafter --drafter embedded ngram --per-category 12 --json
+    adaserve measure-drafter --drafter embedded embedded-eagle ngram --limit 48
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PROMPTS = Path(__file__).resolve().parent.parent / "distill" / "prompts" / "heldout.jsonl"
+EMBEDDED_EAGLE = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-eagle"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         nargs="+",
         default=["embedded"],
-        help="drafter directories, 'embedded' or 'ngram' (several: one table each)",
+        help="drafter directories, 'embedded', 'embedded-eagle' or 'ngram' (several: one "
+        "table each)",
     )
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'messages' rows")
     p.add_argument("--limit", type=int, default=48, help="prompts to use (spread over the file)")
@@ -99,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         ]
         prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         teacher = load_teacher(target_dir)
+        eagles = {n: _eagle_dir(n) for n in args.drafter}
+        eagles = {n: d for n, d in eagles.items() if d is not None}
+        layers = _feature_layers(eagles.values())
         conts = generate_all(
             teacher,
             prompt_ids,
@@ -108,9 +117,18 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             target_dir=target_dir,
             desc="target greedy",
+            feature_layers=layers,
         )
         data = Sequences.build(prompt_ids, conts)
-        results = {name: _measure(name, args, target_dir, data, rows) for name in args.drafter}
+        feats = None
+        if layers:
+            from adaserve.distill.eagle_data import build_features
+
+            feats = (build_features(conts, len(layers) * teacher.shape.hidden), layers)
+        results = {
+            name: _measure(name, args, target_dir, data, rows, eagles.get(name), feats)
+            for name in args.drafter
+        }
     except (ValueError, FileNotFoundError) as exc:
         print(f"adaserve measure-drafter: {exc}", file=sys.stderr)
         return 2
@@ -126,11 +144,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(name: str, args: argparse.Namespace, target_dir: Path, data, rows) -> dict:
+def _eagle_dir(name: str) -> Path | None:
+    from adaserve.distill.eagle_export import is_eagle_dir
+
+    if name == "embedded-eagle":
+        if not is_eagle_dir(EMBEDDED_EAGLE):
+            raise FileNotFoundError(f"embedded-eagle: {EMBEDDED_EAGLE} holds no EAGLE head")
+        return EMBEDDED_EAGLE
+    return Path(name) if name != "ngram" and is_eagle_dir(Path(name)) else None
+
+
+def _feature_layers(dirs) -> tuple[int, ...]:
+    """Every layer any EAGLE head reads: the target generates once and keeps them all."""
+    import json
+
+    layers: set[int] = set()
+    for d in dirs:
+        layers |= set(json.loads((d / "config.json").read_text())["adaserve_eagle_feature_layers"])
+    return tuple(sorted(layers))
+
+
+def _measure(
+    name: str,
+    args: argparse.Namespace,
+    target_dir: Path,
+    data,
+    rows,
+    eagle_dir: Path | None = None,
+    feats: tuple | None = None,  # (features [tokens, len(layers) * H], layers)
+) -> dict:
     from adaserve.distill import measure
 
     steps = None
-    if name == "ngram":
+    if eagle_dir is not None:
+        from adaserve.distill.eagle_measure import measure_eagle
+
+        if feats is None:
+            raise ValueError(f"{name}: no target features were captured")
+        matches, steps = measure_eagle(eagle_dir, target_dir, data, feats[0], feats[1], args.depth)
+        source = str(eagle_dir)
+    elif name == "ngram":
         from adaserve.ngram import NgramDrafter
 
         drafter = NgramDrafter()
@@ -162,7 +215,9 @@ def _measure(name: str, args: argparse.Namespace, target_dir: Path, data, rows) 
             for c, ms in sorted(by_cat.items())
         },
     }
-    if name == "ngram":
+    if eagle_dir is not None:
+        result["kind"] = "eagle"  # its cost is the serving side's (adaserve/eagle_drafter.py)
+    elif name == "ngram":
         result["drafter_ms_per_draft"] = round(draft_ms, 3)
     elif args.cost_steps > 0:
         from adaserve.distill.cost import decode_ms_per_token

@@ -88,9 +88,19 @@ def export_drafter(
     out: Path,
     weight_format: str = "float",
 ) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     num_layers = 1 + max(int(k.split(".")[1]) for k in student_state if k.startswith("layers."))
     state = {f"model.{k}": v for k, v in student_state.items()}
+    cfg = drafter_config(read_config(target_dir), num_layers, len(d2t), target_spec, weight_format)
+    write_drafter_dir(out, state, d2t, cfg, target_dir)
+
+
+def write_drafter_dir(
+    out: Path, state: dict[str, torch.Tensor], d2t: torch.Tensor, cfg: dict, target_dir: Path
+) -> None:
+    """Weights (in cfg's adaserve_weight_format), d2t, config.json and the target's
+    tokenizer files: what every distilled drafter directory holds."""
+    out.mkdir(parents=True, exist_ok=True)
+    weight_format = cfg["adaserve_weight_format"]
     if weight_format == "int8_rowwise":
         state = quantize_int8_rowwise(state)
     elif weight_format == "float":
@@ -99,7 +109,6 @@ def export_drafter(
         raise ValueError(f"unknown weight format {weight_format!r}")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_file({"d2t": d2t.long().cpu().contiguous()}, str(out / VOCAB_FILE))
-    cfg = drafter_config(read_config(target_dir), num_layers, len(d2t), target_spec, weight_format)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (Path(target_dir) / name).is_file():

@@ -26,6 +26,10 @@ class Continuation:
     tokens: list[int]  # ends with an eos id when one was produced
     topk_ids: torch.Tensor  # int32 [len(tokens), TOPK]: target's most likely next tokens
     topk_logp: torch.Tensor  # float16 [len(tokens), TOPK]: their log-probabilities (T = 1)
+    # float16 [len(prompt) + len(tokens) - 1, F * hidden] when feature layers were asked
+    # for: the target's features at every position but the last (an EAGLE head's input;
+    # the last token is never fed back, and nothing is trained after it)
+    features: torch.Tensor | None = None
 
 
 def _sample(
@@ -54,10 +58,12 @@ def generate_batch(
     gen: torch.Generator | None = None,
     topk: int = TOPK,
     static: bool | None = None,
+    feature_layers: Sequence[int] = (),
 ) -> list[Continuation]:
     """Continuations for one batch of prompts. `static` (default: on CUDA) runs decode
     steps at fixed shapes, replayed from a CUDA graph on a GPU, where eager decoding of a
-    small model is bound by kernel launches."""
+    small model is bound by kernel launches. `feature_layers`: also keep the target's
+    features there (Continuation.features), captured while generating: no second pass."""
     device = model.embed_tokens.weight.device
     b, plen = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
@@ -79,16 +85,23 @@ def generate_batch(
     causal = torch.ones(plen, plen, dtype=torch.bool, device=device).tril()
     # a padding query attends to itself only, so no softmax row is empty
     mask = (causal[None] & valid[:, None, :plen]) | torch.eye(plen, dtype=torch.bool, device=device)
-    hidden = model(ids, positions, mask[:, None], cache)[:, -1]
+    layers = tuple(feature_layers)
+    hidden, pf = model.forward_features(ids, layers, positions, mask[:, None], cache)
+    hidden = hidden[:, -1]
     eos = torch.tensor(list(eos_ids), device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     out = torch.full((b, max_new_tokens), -1, dtype=torch.long, device=device)
     top_ids = torch.zeros((b, max_new_tokens, topk), dtype=torch.int32, device=device)
     top_logp = torch.zeros((b, max_new_tokens, topk), dtype=torch.float16, device=device)
     logits, lp, ix = _labels(model, hidden, topk)
+    gen_feats = None
+    if pf is not None:
+        gen_feats = torch.zeros(
+            (b, max_new_tokens, pf.shape[-1]), dtype=torch.float16, device=device
+        )
     if static is None:
         static = device.type == "cuda"
-    step_fn = _Step(model, cache, valid, positions[:, -1], topk, static)
+    step_fn = _Step(model, cache, valid, positions[:, -1], topk, static, layers)
     if static and device.type == "cuda":
         step_fn = _graphed(step_fn, plen)
     for step in range(max_new_tokens):
@@ -100,12 +113,18 @@ def generate_batch(
         # waits for the GPU) costs a few wasted steps at most
         if step == max_new_tokens - 1 or (step % 8 == 7 and bool(done.all())):
             break
-        logits, lp, ix = step_fn(tok, plen + step)
+        logits, lp, ix, *feat = step_fn(tok, plen + step)
+        if gen_feats is not None:
+            gen_feats[:, step] = feat[0][:, 0].half()  # the features of the token just fed
     rows, top_ids, top_logp = out.cpu().tolist(), top_ids.cpu(), top_logp.cpu()
     result = []
     for r, row in enumerate(rows):
         n = sum(t >= 0 for t in row)  # generated tokens form a prefix of the row
-        result.append(Continuation(row[:n], top_ids[r, :n].clone(), top_logp[r, :n].clone()))
+        c = Continuation(row[:n], top_ids[r, :n].clone(), top_logp[r, :n].clone())
+        if pf is not None and gen_feats is not None:
+            p = len(prompts[r])  # left-padded: the prompt's positions are the last p
+            c.features = torch.cat([pf[r, plen - p :].half(), gen_feats[r, : n - 1]]).cpu()
+        result.append(c)
     return result
 
 
@@ -129,8 +148,10 @@ class _Step:
         pos: torch.Tensor,
         topk: int,
         static: bool,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
         self.model, self.cache, self.valid, self.topk = model, cache, valid, topk
+        self.feature_layers = feature_layers
         self.pos = pos.clone()  # position of the last token written, per row
         self.tok = torch.zeros_like(pos)
         if static:
@@ -150,8 +171,11 @@ class _Step:
             m = self.valid[:, None, None, : slot + 1]
         else:
             raise ValueError("an eager step (no static cache slot) needs its slot")
-        hidden = self.model(self.tok[:, None], self.pos[:, None], m, self.cache)[:, -1]
-        return _labels(self.model, hidden, self.topk)
+        hidden, feats = self.model.forward_features(
+            self.tok[:, None], self.feature_layers, self.pos[:, None], m, self.cache
+        )
+        labels = _labels(self.model, hidden[:, -1], self.topk)
+        return labels if feats is None else (*labels, feats)
 
     def __call__(self, tok: torch.Tensor, slot: int) -> tuple[torch.Tensor, ...]:
         self.set_inputs(tok, slot)
@@ -187,9 +211,11 @@ def _worker_init(target_dir: str) -> None:
 
 
 def _worker_run(task: tuple) -> list[Continuation]:
-    prompts, max_new, eos, temperature, top_p, seed = task
+    prompts, max_new, eos, temperature, top_p, seed, layers = task
     gen = torch.Generator().manual_seed(seed)
-    return generate_batch(_WORKER["model"], prompts, max_new, eos, temperature, top_p, gen)
+    return generate_batch(
+        _WORKER["model"], prompts, max_new, eos, temperature, top_p, gen, feature_layers=layers
+    )
 
 
 def generate_all(
@@ -205,6 +231,7 @@ def generate_all(
     desc: str = "generate",
     workers: int = 1,
     target_dir: Path | None = None,
+    feature_layers: Sequence[int] = (),
 ) -> list[Continuation | None]:
     """Continuations in prompt order; None for prompts skipped because `deadline`
     (a time.monotonic() value) passed. Batches group similar prompt lengths.
@@ -226,6 +253,7 @@ def generate_all(
                 temperature,
                 top_p,
                 seed + k,
+                tuple(feature_layers),
             )
 
     def store(idx: list[int], outs: list[Continuation]) -> None:
@@ -237,7 +265,7 @@ def generate_all(
         device = model.embed_tokens.weight.device
         gen = torch.Generator(device=device).manual_seed(seed)
         for idx, task in zip(batches, tasks(), strict=False):
-            store(idx, generate_batch(model, task[0], *task[1:5], gen=gen))
+            store(idx, generate_batch(model, task[0], *task[1:5], gen=gen, feature_layers=task[6]))
     else:
         if target_dir is None:
             raise ValueError("workers > 1 needs target_dir")

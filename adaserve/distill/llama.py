@@ -178,15 +178,34 @@ class LlamaModel(nn.Module):
         mask: torch.Tensor | None = None,  # bool [B, 1, T, S] with a cache
         cache: KVCache | None = None,
     ) -> torch.Tensor:  # [B, T, hidden]
+        return self.forward_features(ids, (), positions, mask, cache)[0]
+
+    def forward_features(
+        self,
+        ids: torch.Tensor,
+        feature_layers: tuple[int, ...] | list[int],
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward, plus the residual stream after each of `feature_layers` (before the
+        final norm), concatenated in that order: [B, T, len * hidden], or None when no
+        layer is asked for. An EAGLE head reads these (the target's "features")."""
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         cos, sin = rope_tables(positions, self.shape.head_dim, self.shape.rope_theta)
         x = self.embed_tokens(ids)
+        kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i)
+            if i in feature_layers:
+                kept[i] = x
         if cache is not None:
             cache.start += ids.shape[1]
-        return self.norm(x)
+        if len(kept) != len(set(feature_layers)):
+            raise ValueError(f"feature layers {feature_layers} outside 0..{len(self.layers) - 1}")
+        feats = torch.cat([kept[i] for i in feature_layers], -1) if feature_layers else None
+        return self.norm(x), feats
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., rows] against `head` (default: all embeddings)."""

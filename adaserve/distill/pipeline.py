@@ -51,6 +51,8 @@ class GenSettings:
     max_prompts: int | None = None  # cap on train prompts (quick runs, tests)
     max_heldout: int | None = None  # cap on held-out prompts
     workers: int = 1  # CPU: single-threaded generation processes
+    # target layers whose outputs are kept per token (feat_*.safetensors, EAGLE training)
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,15 @@ def _phase(
         desc=f"generate {name}",
         workers=job.gen.workers,
         target_dir=job.target_dir,
+        feature_layers=job.gen.feature_layers,
     )
     seqs = Sequences.build(prompts, conts)
+    if job.gen.feature_layers:  # written first: a gen file without its features is redone
+        from adaserve.distill import eagle_data
+
+        width = len(job.gen.feature_layers) * teacher.shape.hidden
+        feats = eagle_data.build_features(conts, width)
+        eagle_data.save_features(eagle_data.feature_path(path), feats, job.gen.feature_layers)
     seqs.save(path)
     _say(
         f"{name}: {len(seqs)} sequences, {int(sum(len(seqs.continuation(i)) for i in range(len(seqs))))} new tokens"
@@ -200,9 +209,10 @@ def stage_vocab(
     return d2t, info
 
 
-def _check_settings(job: DistillJob) -> None:
+def check_settings(job: DistillJob, now: dict | None = None) -> None:
+    """A work dir with a checkpoint continues only with --resume and the same settings."""
     path = job.work / "settings.json"
-    now = {"layers": list(job.layers), "draft_vocab": job.draft_vocab}
+    now = now or {"layers": list(job.layers), "draft_vocab": job.draft_vocab}
     if (job.work / "ckpt.pt").is_file():
         if not job.resume:
             raise ValueError(
@@ -214,9 +224,41 @@ def _check_settings(job: DistillJob) -> None:
     path.write_text(json.dumps(now))
 
 
+def run_report(
+    job: DistillJob,
+    train: Sequences,
+    heldout: Sequences,
+    gen_s: float,
+    trainer: Trainer,
+    last: dict,
+    d2t: torch.Tensor,
+    vocab_info: dict,
+) -> dict:
+    """distill_report.json's account of the data and the training run."""
+    device = torch.device(job.device)
+    return {
+        "target": job.target_spec,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "train_sequences": len(train),
+        "train_tokens": len(train.tokens),
+        "train_continuation_tokens": int(len(train.tokens) - train.prompt_lens.sum()),
+        "heldout_sequences": len(heldout),
+        "generate_s": round(gen_s, 1),
+        "steps": trainer.step,
+        "epochs": trainer.epoch,
+        "train_s": round(trainer.elapsed, 1),
+        "train_config": asdict(job.train),
+        "gen_config": asdict(job.gen),
+        "last_step": last,
+        "draft_vocab": len(d2t),
+        **vocab_info,
+    }
+
+
 def run(job: DistillJob) -> dict:
     job.work.mkdir(parents=True, exist_ok=True)
-    _check_settings(job)
+    check_settings(job)
     device = torch.device(job.device)
     prompts = stage_prompts(job)
     t0 = time.monotonic()
@@ -241,25 +283,8 @@ def run(job: DistillJob) -> dict:
         jsonl_logger(job.work / "train_log.jsonl"),
     )
     last = trainer.run()
-    report = {
-        "target": job.target_spec,
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "train_sequences": len(train),
-        "train_tokens": len(train.tokens),
-        "train_continuation_tokens": int(len(train.tokens) - train.prompt_lens.sum()),
-        "heldout_sequences": len(heldout),
-        "generate_s": round(gen_s, 1),
-        "steps": trainer.step,
-        "epochs": trainer.epoch,
-        "train_s": round(trainer.elapsed, 1),
-        "train_config": asdict(job.train),
-        "gen_config": asdict(job.gen),
-        "last_step": last,
-        "draft_vocab": len(d2t),
-        **vocab_info,
-        "students": {},
-    }
+    report = run_report(job, train, heldout, gen_s, trainer, last, d2t, vocab_info)
+    report["students"] = {}
     head = teacher.embed_tokens.weight.detach()[d2t.to(device)]
     for name, student in students.items():
         dest = job.out if len(students) == 1 else job.out / name

@@ -102,6 +102,24 @@ def collate(data: Sequences, idx: np.ndarray, max_len: int, device) -> tuple[tor
     )
 
 
+def topk_kl(
+    t_ids: torch.Tensor,  # int64 [n, K]: the target's top-k token ids
+    t_logp: torch.Tensor,  # [n, K]: their log-probabilities
+    t2d: torch.Tensor,  # int64 [vocab]: target id -> draft id, -1 outside the draft vocab
+    s_logits: torch.Tensor,  # [n, V_draft]: the drafter's logits
+    temperature: float,
+) -> torch.Tensor:
+    """Mean KL(p_target || q_drafter), p = the top-k renormalised over the tokens in the
+    draft vocabulary, q = the drafter's softmax over the draft vocabulary."""
+    d_ids = t2d[t_ids]
+    ok = d_ids >= 0
+    t_logp = torch.log_softmax(t_logp.float().masked_fill(~ok, float("-inf")) / temperature, -1)
+    t_p = t_logp.exp().nan_to_num(0.0)  # rows with no draft token: all zero, no loss
+    t_plogp = (t_p * t_logp.masked_fill(~ok, 0.0)).sum(-1)  # -entropy, for a true KL
+    s_logp = F.log_softmax(s_logits.float() / temperature, -1)
+    return (t_plogp - (t_p * s_logp.gather(-1, d_ids.clamp(min=0))).sum(-1)).mean()
+
+
 class Trainer:
     def __init__(
         self,
@@ -146,8 +164,7 @@ class Trainer:
                 "elapsed": self.elapsed,
                 "epoch": self.epoch,
                 "cursor": self.cursor,
-                "students": {n: trainable_state(s) for n, s in self.students.items()},
-                "opts": {n: o.state_dict() for n, o in self.opts.items()},
+                **self._model_state(),
             },
             tmp,
         )
@@ -155,6 +172,17 @@ class Trainer:
 
     def _load(self) -> None:
         ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=True)
+        self._restore_models(ck)
+        self.step, self.elapsed = ck["step"], ck["elapsed"]
+        self.epoch, self.cursor = ck["epoch"], ck["cursor"]
+
+    def _model_state(self) -> dict:
+        return {
+            "students": {n: trainable_state(s) for n, s in self.students.items()},
+            "opts": {n: o.state_dict() for n, o in self.opts.items()},
+        }
+
+    def _restore_models(self, ck: dict) -> None:
         if set(ck["students"]) != set(self.students):
             raise ValueError(
                 f"{self.ckpt_path}: checkpoint has students {sorted(ck['students'])}, "
@@ -163,8 +191,6 @@ class Trainer:
         for n, s in self.students.items():
             s.load_state_dict(ck["students"][n], strict=False)
             self.opts[n].load_state_dict(ck["opts"][n])
-        self.step, self.elapsed = ck["step"], ck["elapsed"]
-        self.epoch, self.cursor = ck["epoch"], ck["cursor"]
 
     # -- loop ---------------------------------------------------------------------------
     def progress(self) -> float:
@@ -227,13 +253,6 @@ class Trainer:
         ids, mask, rows = collate(self.data, idx, cfg.max_len, self.device)
         labels = torch.roll(ids, -1, dims=1)[mask]  # the token that was generated
         t_ids = self.topk_ids[rows].long()  # [n, K] target ids
-        d_ids = self.t2d[t_ids]  # [n, K] draft ids, -1 outside the draft vocabulary
-        ok = d_ids >= 0
-        t_logp = torch.log_softmax(
-            self.topk_logp[rows].float().masked_fill(~ok, float("-inf")) / cfg.temperature, -1
-        )
-        t_p = t_logp.exp().nan_to_num(0.0)  # rows with no draft token: all zero, no loss
-        t_plogp = (t_p * t_logp.masked_fill(~ok, 0.0)).sum(-1)  # -entropy, for a true KL
         amp = torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
         )
@@ -247,8 +266,7 @@ class Trainer:
             student.train()
             with amp:
                 s_logits = student.logits(student(ids)[mask], self.head).float()
-            s_logp = F.log_softmax(s_logits / cfg.temperature, -1)
-            loss = (t_plogp - (t_p * s_logp.gather(-1, d_ids.clamp(min=0))).sum(-1)).mean()
+            loss = topk_kl(t_ids, self.topk_logp[rows], self.t2d, s_logits, cfg.temperature)
             opt = self.opts[name]
             for g in opt.param_groups:
                 g["lr"] = lr
