@@ -175,7 +175,7 @@ def main() -> int:
     p.add_argument(
         "--methods",
         nargs="+",
-        choices=["auto", "model", "ngram", "none"],
+        choices=["auto", "model", "eagle", "ngram", "none"],
         default=None,
         help="speculation methods to send to the speculative server (default: its own)",
     )
