@@ -1,5 +1,5 @@
 """EAGLE head directories for tests, in the contract's format
-(/work/shared-notes/eagle-contract.md), with random weights: losslessness never
+(docs/EAGLE_FORMAT.md), with random weights: losslessness never
 depends on the head's quality, and the math is checked against `dense_reference`."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Write a trained EAGLE head as a drafter directory (format:
-/work/shared-notes/eagle-contract.md) and read one back for measuring."""
+docs/EAGLE_FORMAT.md) and read one back for measuring."""
 
 from __future__ import annotations
 

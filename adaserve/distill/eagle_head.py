@@ -1,4 +1,4 @@
-"""The EAGLE head on the training side (math: /work/shared-notes/eagle-contract.md,
+"""The EAGLE head on the training side (math: docs/EAGLE_FORMAT.md,
 mirrored in the docstring below), with the training-time test (TTT) unroll.
 
     g_t    = fuse(features_t)                      (no fuse when F == 1)

@@ -1,4 +1,4 @@
-"""The EAGLE head on the paged runtime (the math: /work/shared-notes/eagle-contract.md,
+"""The EAGLE head on the paged runtime (the math: docs/EAGLE_FORMAT.md,
 summed up in docs/ARCHITECTURE.md "The EAGLE path").
 
     g_t      = fuse(features_t)                  # F*H -> H, or the features when F == 1
