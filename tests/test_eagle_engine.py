@@ -290,3 +290,21 @@ def test_a_head_for_another_target_is_refused_at_startup(smol, tmp_path):
     inner.spec = type(spec)(spec.feature_layers, spec.target_layers + 2, spec.hidden_size)
     with pytest.raises(ValueError, match="wrong target"):
         _engine(target, inner)
+
+
+def test_the_shipped_head_drafts_its_own_trees_losslessly(smol):
+    """The shipped head (`embedded-eagle`), no oracle: the trees it drafts itself (beam
+    search, confidence stop) are verified into the target's own greedy output, beside
+    plain requests, and some of its drafts are accepted."""
+    from adaserve.model.loader import resolve_model
+
+    target, _, prompts, ref = smol
+    head = resolve_model("embedded-eagle", role="drafter")
+    inner = EagleDrafter(load_eagle_runner(head, target.device, target.dtype, kv_blocks=256))
+    engine = _engine(target, inner)
+    methods = ["eagle", "eagle", "none", "eagle"]
+    reqs = [_req(k, prompts[k], m, 30.0) for k, m in zip(prompts, methods, strict=True)]
+    assert _run(engine, reqs, arrive_at=[0, 2, 2, 5]) == ref
+    stats = engine.method_stats["eagle"]
+    assert stats.steps > 0 and stats.accepted > 0  # drafts accepted, not just roots verified
+    assert target.kv_usage() == 0.0 and inner.runner.kv_usage() == 0.0

@@ -110,7 +110,7 @@ def measure(workload: dict, base: Path, shared_cpu: bool) -> None:
 
 
 def server_settings(workload_path: Path) -> dict:
-    """Exactly the scheduler and SLO settings the simulator gives the `adaserve` policy
+    """Exactly the scheduler, SLO and speculation settings the simulator gives the `adaserve` policy
     (budget and draft cost from the profile, the workload's overrides), so both sides
     plan and select alike."""
     from adaserve.sim.driver import engine_settings, workload_profile
@@ -121,7 +121,7 @@ def server_settings(workload_path: Path) -> dict:
     profile = workload_profile(wl)
     spec = policy_spec("adaserve", max_running=1)  # max_running: unused by adaserve
     settings = engine_settings(wl, profile, spec)
-    out = settings.model_dump(mode="json", include={"scheduler", "slo"})
+    out = settings.model_dump(mode="json", include={"scheduler", "slo", "speculation"})
     out["engine"] = {"max_running": settings.engine.max_running}
     return out
 
