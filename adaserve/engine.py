@@ -318,15 +318,15 @@ class Engine:
         # features.py), and the requests whose method may use it keep them.
         self.drafter_kind = str(getattr(drafter, "kind", "model"))
         self._uses_drafter = USES_EAGLE if self.drafter_kind == "eagle" else USES_MODEL
+        eagle = self.drafter is not None and self.drafter_kind == "eagle"
         self._feature_dim = 0
-        if self.drafter is not None and self.drafter_kind == "eagle":
+        if eagle:
             spec = drafter.spec  # type: ignore[union-attr]
             target.return_features(  # type: ignore[attr-defined]
                 spec.feature_layers, spec.target_layers, spec.hidden_size
             )
             self._feature_dim = int(spec.feature_dim)
         self._recompute: set[str] = set()  # requests whose features the target recomputes
-        eagle = self.drafter is not None and self.drafter_kind == "eagle"
         self.methods = available_methods(
             self.drafter is not None and not eagle, self.ngram is not None, eagle
         )

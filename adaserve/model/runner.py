@@ -201,7 +201,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the hidden states after `feature_layers` for every new node
         ([sum k, len * hidden], model dtype; None when no layer is asked): what an EAGLE
-        drafter reads (LlamaModel.forward_features)."""
+        drafter reads (LlamaModel.forward_features). Not folded into `execute`: a
+        CUDA-graph drafter wraps `self.model`'s __call__ (cuda_graphs.GraphedDraftModel),
+        which only the plain path may go through."""
         fb = self.prepare(inputs, logits_indices)
         meta = self.backend.plan(fb.attention)
         dev = self.device
