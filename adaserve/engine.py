@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from adaserve import metrics
+from adaserve import cpu_load, metrics
 from adaserve.adaptive import (
     AcceptanceEstimate,
     SLOFloor,
@@ -53,6 +53,7 @@ from adaserve.batching import (
     hold_prompt,
     slo_tree_budget,
 )
+from adaserve.calibration import Baseline, Remeasure, RetrySchedule, remeasured
 from adaserve.config import AdaptiveSettings, Settings
 from adaserve.detokenize import IncrementalDetokenizer, Tokenizer
 from adaserve.fallback import FallbackDrafter, FallbackScheduler
@@ -104,6 +105,9 @@ log = logging.getLogger("adaserve.engine")
 # arrival: finite, so earliest-deadline order serves it eventually, and late enough that
 # requests with a TTFT SLO go first.
 UNSET_TTFT_ORDER_MS = 10_000.0
+# The reported SLO floor moves only when the computed one moves by more than this share
+# (Engine.slo_floor): iteration times jitter by a few percent from step to step.
+FLOOR_HYSTERESIS = 0.1
 
 
 class EngineFull(RuntimeError):
@@ -129,6 +133,7 @@ class EngineInfo:
     speculative: bool
     slo_floor_ms: float  # the best TPOT one request alone can expect (Engine.slo_floor)
     speculation_methods: tuple[str, ...] = ("auto", "none")  # what requests may ask for
+    baseline: Baseline | None = None  # how baseline_tpot_ms was set or measured
 
 
 @dataclass(frozen=True)
@@ -283,12 +288,19 @@ class Engine:
         model_name: str = "adaserve",
         latency: ForwardLatency | None = None,
         ngram: Drafter | None = None,
+        baseline: Baseline | None = None,
+        remeasure: Remeasure | None = None,
     ) -> None:
         if settings.slo.baseline_tpot_ms == "auto":
             raise ValueError(
                 "slo.baseline_tpot_ms 'auto' must be measured first (build_engine does)"
             )
-        self.baseline_tpot_ms: float = settings.slo.baseline_tpot_ms  # measured: not "auto"
+        # `baseline`: how build_engine measured it; `remeasure`: how to time it again
+        # while it is unsettled (adaserve/calibration.py).
+        self.baseline = baseline or Baseline.configured(settings.slo.baseline_tpot_ms)
+        self._remeasure = remeasure
+        self._retry = RetrySchedule()
+        metrics.baseline_tpot_seconds.set(self.baseline.tpot_ms / 1000.0)
         self.target = target
         self.settings = settings
         self.tokenizer = tokenizer
@@ -387,6 +399,7 @@ class Engine:
         # batch size: calibrates the modelled TPOT curve routers read (load()).
         self._tpot_seen: tuple[float, float] | None = None  # (EWMA ms, EWMA batch)
 
+        self._floor: SLOFloor | None = None  # the floor every report reads (slo_floor)
         self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: list[_Request] = []
@@ -547,6 +560,7 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.target.eos_token_ids),
             baseline_tpot_ms=self.baseline_tpot_ms,
+            baseline=self.baseline,
             speculative=self.drafter is not None or self.ngram is not None,
             slo_floor_ms=self.slo_floor().tpot_ms,
             speculation_methods=self.methods,
@@ -578,6 +592,7 @@ class Engine:
             if not self.has_work():
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+                self._recalibrate()
             try:
                 self.step()
             except Exception:  # failure isolation itself failed: fail the batch, go on
@@ -1398,15 +1413,61 @@ class Engine:
 
         return hold
 
+    @property
+    def baseline_tpot_ms(self) -> float:
+        return self.baseline.tpot_ms
+
     def slo_floor(self) -> SLOFloor:
         """The best TPOT one request alone can expect now (adaptive.slo_floor), from the
         predicted 1-token iteration and the plan's cost model and acceptance (learned,
-        where it is). Read from any thread: submit judges each SLO with it."""
+        where it is). Read from any thread: submit judges each SLO with it.
+
+        One floor at a time: the value every report reads (/v1/models, /v1/slo, a
+        response's `slo`, a best-effort reason) moves only when the freshly computed one
+        differs from it by more than FLOOR_HYSTERESIS, so iteration-time noise does not
+        give two requests a second apart two floors."""
         a = self._adaptive()
         depth_max = 0
         if self.drafter is not None:
             depth_max = a.fixed_depth if a.policy == "fixed" else a.d_max
-        return slo_floor(self.tspec.predict_ms(1), self.settings.scheduler.budget, a, depth_max)
+        fresh = slo_floor(self.tspec.predict_ms(1), self.settings.scheduler.budget, a, depth_max)
+        held = self._floor
+        if held is None or abs(fresh.tpot_ms - held.tpot_ms) > FLOOR_HYSTERESIS * held.tpot_ms:
+            # 0.1 ms: the precision every report prints, so they print the same number.
+            self._floor = held = replace(fresh, tpot_ms=round(fresh.tpot_ms, 1))
+        return held
+
+    def _recalibrate(self) -> None:
+        """While the engine is idle and its baseline unsettled (adaserve/calibration.py),
+        time it again on the retry schedule; a faster result replaces it, and with it
+        every SLO class resolved from it, the predicted iteration time, the forward
+        latency curve where that was measured too, and the floor."""
+        if self._remeasure is None or self.baseline.settled:
+            return
+        if not self._retry.due(self.clock(), idle=not self.has_work()):
+            return
+        old = self.baseline
+        self.baseline = remeasured(old, self._remeasure.baseline_ms(), cpu_load.current())
+        self._retry.tried(self.clock())
+        if self.baseline.tpot_ms == old.tpot_ms:
+            return
+        if self._remeasure.curve is not None:
+            c = self._remeasure.curve()
+            self.latency = ForwardLatency(Curve(tuple(c.tokens), tuple(c.ms), c.context_ms))
+        self.tspec = _TSpecPredictor(self.baseline.tpot_ms, self.tspec.correction)
+        slo = self.settings.slo.model_copy(update={"baseline_tpot_ms": self.baseline.tpot_ms})
+        self.settings = self.settings.model_copy(update={"slo": slo})
+        self._floor = None
+        metrics.baseline_tpot_seconds.set(self.baseline.tpot_ms / 1000.0)
+        metrics.baseline_recalibrations_total.inc()
+        log.info(
+            "baseline TPOT re-measured on a %s host: %.2f ms (was %.2f ms, measured at load "
+            "%.1f); SLO classes and the floor follow",
+            "quiet" if self.baseline.settled else "still busy",
+            self.baseline.tpot_ms,
+            old.tpot_ms,
+            old.load_1m,
+        )
 
     def _judge(self, req: GenerationRequest) -> SLOVerdict:
         """Admission's judgement, at submit (before any token): a TPOT SLO below the

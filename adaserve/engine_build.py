@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from adaserve import metrics
+from adaserve import cpu_load, metrics
+from adaserve.calibration import Baseline, Remeasure
 from adaserve.config import SchedulerSettings, Settings
 from adaserve.engine import Engine
 from adaserve.ngram import NgramDrafter, NgramParams
@@ -54,23 +56,13 @@ def build_engine(
     )
     report_backend("target", runner)
     tokenizer = load_tokenizer(target_dir)
+    baseline, remeasure = None, None
     if settings.slo.baseline_tpot_ms == "auto":
-        from adaserve.config import LatencyCurve
-        from adaserve.sim.measure import measure_baseline_ms, measure_forward_curve
-
-        baseline = round(measure_baseline_ms(runner), 2)
-        log.info("baseline TPOT (plain decoding, batch 8) measured: %.2f ms", baseline)
-        slo = settings.slo.model_copy(update={"baseline_tpot_ms": baseline})
+        baseline, remeasure = _measure(runner, curve=settings.engine.latency_curve is None)
+        slo = settings.slo.model_copy(update={"baseline_tpot_ms": baseline.tpot_ms})
         settings = settings.model_copy(update={"slo": slo})
-        if settings.engine.latency_curve is None:
-            tokens, ms, context_ms = measure_forward_curve(runner)
-            log.info(
-                "forward latency measured: %s; +%.3f ms per 1k pairs of prompt context",
-                ", ".join(f"{t:g} tokens {m:.1f} ms" for t, m in zip(tokens, ms, strict=True)),
-                context_ms,
-            )
-            curve = LatencyCurve(tokens=tokens, ms=ms, context_ms=context_ms)
-            engine = settings.engine.model_copy(update={"latency_curve": curve})
+        if remeasure.curve is not None:
+            engine = settings.engine.model_copy(update={"latency_curve": remeasure.curve()})
             settings = settings.model_copy(update={"engine": engine})
     target = RunnerTarget(runner, eos_token_ids(tokenizer, runner))
     speculate = settings.engine.speculation
@@ -82,7 +74,39 @@ def build_engine(
         tokenizer=tokenizer,
         model_name=served_name(settings, target_dir),
         ngram=build_ngram(settings) if speculate else None,
+        baseline=baseline,
+        remeasure=remeasure,
     )
+
+
+def _measure(runner: Any, curve: bool) -> tuple[Baseline, Remeasure]:
+    """`slo.baseline_tpot_ms: auto`: the baseline timed on `runner` now, and how the
+    engine times it (and, with `curve`, the forward latency curve) again while a
+    baseline measured on a busy host is unsettled (adaserve/calibration.py)."""
+    from adaserve.config import LatencyCurve
+    from adaserve.sim.measure import measure_baseline_ms, measure_forward_curve
+
+    def forward_curve() -> LatencyCurve:
+        tokens, ms, context_ms = measure_forward_curve(runner)
+        log.info(
+            "forward latency measured: %s; +%.3f ms per 1k pairs of prompt context",
+            ", ".join(f"{t:g} tokens {m:.1f} ms" for t, m in zip(tokens, ms, strict=True)),
+            context_ms,
+        )
+        return LatencyCurve(tokens=tokens, ms=ms, context_ms=context_ms)
+
+    def baseline_ms() -> float:
+        return round(measure_baseline_ms(runner), 2)
+
+    baseline = Baseline.measured(baseline_ms(), cpu_load.current())
+    log.info(
+        "baseline TPOT (plain decoding, batch 8) measured: %.2f ms (load %.1f on %d cores); "
+        "measured again once idle, and a faster result replaces it",
+        baseline.tpot_ms,
+        baseline.load_1m,
+        baseline.cores,
+    )
+    return baseline, Remeasure(baseline_ms, forward_curve if curve else None)
 
 
 def build_ngram(settings: Settings) -> NgramDrafter | None:

@@ -217,6 +217,15 @@ running_on_slo_ratio = Gauge(
     "Fraction of decoding requests whose TPOT so far is within their SLO (1 when none)",
 )
 draining = Gauge("adaserve_draining", "1 while the unit drains (SIGTERM): no new requests")
+baseline_tpot_seconds = Gauge(
+    "adaserve_baseline_tpot_seconds",
+    "Baseline TPOT (plain decoding, batch 8) the SLO classes resolve against: configured, "
+    "or measured at startup and again while a busy host left it unsettled",
+)
+baseline_recalibrations_total = Counter(
+    "adaserve_baseline_recalibrations_total",
+    "Re-measurements of the baseline TPOT that replaced a value measured on a busy host",
+)
 
 
 # vLLM's names for the series that mean the same here, so a dashboard built for vLLM

@@ -63,7 +63,7 @@ def judge(tpot_slo_ms: float, floor_ms: float, floor_depth: int) -> SLOVerdict:
     return SLOVerdict(
         True,
         floor_ms,
-        f"tpot_slo_ms {tpot_slo_ms:g} is below this server's floor of {floor_ms:.3g} ms "
+        f"tpot_slo_ms {tpot_slo_ms:g} is below this server's floor of {floor_ms:g} ms "
         f"per token, the best one request alone can expect ({how})",
     )
 

@@ -279,8 +279,25 @@ def slo_info(
             if name in info.slo_classes
         },
         "slo_floor_ms": round(info.slo_floor_ms, 3),
+        "baseline": _baseline_info(info),
         "speculative": info.speculative,
         "speculation_methods": list(info.speculation_methods),
+    }
+
+
+def _baseline_info(info: vpb.InfoResponse) -> dict[str, Any]:
+    """How the unit's baseline TPOT was set: configured, or measured (when, at what load,
+    whether a busy host left it to be measured again)."""
+    b = info.baseline
+    if not info.HasField("baseline") or b.source == "configured":
+        return {"source": "configured"}
+    return {
+        "source": b.source,
+        "measured_at": round(b.measured_at, 3),
+        "load_1m": round(b.load_1m, 2),
+        "cores": b.cores,
+        "settled": b.settled,
+        "recalibrations": b.recalibrations,
     }
 
 

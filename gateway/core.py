@@ -269,8 +269,9 @@ class Generation:
         alone can expect there). OpenAI clients ignore unknown fields."""
         h = self.header
         return {
-            "tpot_slo_ms": h.tpot_slo_ms if h else None,
-            "ttft_slo_ms": h.ttft_slo_ms if h else None,
+            # Rounded like every other SLO figure: 1.2 x 371.4 is 445.68, not ...67999.
+            "tpot_slo_ms": _round(h.tpot_slo_ms) if h else None,
+            "ttft_slo_ms": _round(h.ttft_slo_ms) if h else None,
             "slo_class": h.slo_class if h else None,
             "best_effort": self.best_effort,
             "slo_floor_ms": _round(h.slo_floor_ms) if h else None,
@@ -317,8 +318,8 @@ class Generation:
             "finish_reason": self.finish_reason,
             "unit": self.unit.address if self.unit else None,
             "slo_class": h.slo_class if h else self.spec.metrics_class,
-            "tpot_slo_ms": h.tpot_slo_ms if h else self.spec.tpot_slo_ms,
-            "ttft_slo_ms": h.ttft_slo_ms if h else self.spec.ttft_slo_ms,
+            "tpot_slo_ms": _round(h.tpot_slo_ms if h else self.spec.tpot_slo_ms),
+            "ttft_slo_ms": _round(h.ttft_slo_ms if h else self.spec.ttft_slo_ms),
             "prompt_tokens": h.num_prompt_tokens if h else None,
             "completion_tokens": t.n_tokens,
             "ttft_ms": _ms(t.t_first - t.t_submit) if t.t_first is not None else None,

@@ -5,6 +5,7 @@ timeout per finishing request while the drafter is down."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from adaserve import metrics
 from adaserve.config import load_settings
-from adaserve.engine import Engine, EngineFull, SLOUnattainable
+from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainable
 from adaserve.model.loader import load_runner
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter, DraftUpdate
@@ -177,3 +178,25 @@ def test_slo_is_judged_at_submit_against_the_honest_floor(target_dir) -> None:
     rejecting = engine_with(target_dir, drafter=drafter, unattainable_slo="reject")
     with pytest.raises(SLOUnattainable, match="below this server's floor"):
         rejecting.submit(req(2, PROMPTS[0], 4, 10.0))
+
+
+def test_one_floor_at_a_time(target_dir) -> None:
+    """The floor every report reads (info, a verdict and its reason) moves only when the
+    computed one moves by more than FLOOR_HYSTERESIS: while a request decodes, iteration
+    times jitter and the learned per-token time settles, and two requests a moment apart
+    must not be told two floors that differ by noise."""
+    drafter = BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=256))
+    engine = engine_with(target_dir, drafter=drafter)
+    streams = [engine.submit(req(i, PROMPTS[i % len(PROMPTS)], 24, 1e4)) for i in range(3)]
+    seen = [engine.info().slo_floor_ms]
+    while engine.has_work():
+        engine.step()
+        seen.append(engine.info().slo_floor_ms)
+        probe = engine.submit(req(len(seen) + 10, PROMPTS[0], 1, 0.5))  # always below
+        assert probe.verdict.floor_ms == seen[-1]
+        assert f"floor of {seen[-1]:g} ms" in (probe.verdict.reason or "")
+        engine.abort(f"r{len(seen) + 10}")
+    run_to_completion(engine, streams)
+    moves = [(a, b) for a, b in itertools.pairwise(seen) if a != b]
+    assert all(abs(b - a) > FLOOR_HYSTERESIS * a for a, b in moves), moves
+    assert all(round(f, 1) == f for f in seen)  # the precision every report prints

@@ -140,6 +140,7 @@ def test_slo_contract_is_published(stack: Stack) -> None:
         "summarize": {"tpot_ms": 150.0, "ttft_ms": 20000.0},
     }
     assert unit["speculative"] is True
+    assert unit["baseline"] == {"source": "configured"}  # the test config sets 20 ms
     # A tiny model's 1-token step is far under the 21 ms (baseline x correction) the
     # predictor starts from; speculation can only lower the floor further.
     assert 0 < unit["slo_floor_ms"] <= 21.0

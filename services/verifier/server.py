@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from adaserve.calibration import Baseline
 from adaserve.chat import render as chat_render
 from adaserve.chat import tool_call_format
 from adaserve.config import Settings
@@ -254,6 +255,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             },
             speculation_methods=list(info.speculation_methods),
             tool_call_format=tool_call_format(self.tokenizer) if self.tokenizer else "",
+            baseline=_baseline_pb(info.baseline),
         )
 
     async def Stats(
@@ -479,6 +481,19 @@ class VerifierServicer(vgrpc.VerifierServicer):
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
         return tuple(out)
+
+
+def _baseline_pb(b: Baseline | None) -> vpb.BaselineInfo | None:
+    if b is None:
+        return None
+    return vpb.BaselineInfo(
+        source=b.source,
+        measured_at=b.measured_at,
+        load_1m=b.load_1m,
+        cores=b.cores,
+        settled=b.settled,
+        recalibrations=b.recalibrations,
+    )
 
 
 def resolved_classes(settings: Settings, baseline_tpot_ms: float) -> dict[str, float]:
