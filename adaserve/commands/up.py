@@ -440,24 +440,54 @@ class Launcher:
         return _grpc_serving(svc.grpc_address)
 
 
-def slo_lines(base: str) -> str:
-    """What the console should say once: each unit's measured baseline and the SLO each
-    class resolved to (from the gateway's /v1/slo); empty if it cannot be read."""
+def _slo_units(base: str) -> list[dict] | None:
     import httpx
 
+    try:
+        return httpx.get(f"{base}/v1/slo", timeout=5.0).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None  # e.g. API keys configured: the URLs above still hold
+
+
+def _unsettled(units: list[dict]) -> bool:
+    return any(not u.get("baseline", {}).get("settled", True) for u in units)
+
+
+def slo_lines(base: str, units: list[dict] | None = None) -> str:
+    """What the console says: each unit's measured baseline and the SLO each class
+    resolved to (from the gateway's /v1/slo); empty if it cannot be read."""
     from adaserve.slo import describe
 
-    try:
-        units = httpx.get(f"{base}/v1/slo", timeout=5.0).json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return ""  # e.g. API keys configured: the URLs above still hold
+    units = _slo_units(base) if units is None else units
+    if units is None:
+        return ""
     lines = []
     for u in units:
         classes = {name: c["tpot_ms"] for name, c in u["classes"].items()}
         text = describe(u["baseline_tpot_ms"], classes, u["default_class"], u["slo_floor_ms"])
         where = f" ({u['unit']})" if len(units) > 1 else ""
         lines.append(f"  SLOs{where:<7} {text}\n")  # aligned with "  OpenAI API  "
-    return "".join(lines) + f"  (GET {base}/v1/slo; SLOs below the floor run best-effort)\n"
+    note = f"  (GET {base}/v1/slo; SLOs below the floor run best-effort)\n"
+    if _unsettled(units):
+        note += (
+            "  (baselines are measured again once the server is idle; a faster value "
+            "replaces a busy start's, and the new SLOs are printed here)\n"
+        )
+    return "".join(lines) + note
+
+
+def follow_slos(base: str, stopping: threading.Event, period_s: float = 5.0) -> None:
+    """While a unit's baseline is unsettled (adaserve/calibration.py), print the SLOs
+    again whenever a unit's baseline changes, so a console that showed a busy start's
+    loose SLOs ends up showing the quiet host's."""
+    shown = _slo_units(base)
+    while shown is not None and _unsettled(shown) and not stopping.wait(period_s):
+        now = _slo_units(base)
+        if now is None:
+            continue
+        if [u["baseline_tpot_ms"] for u in now] != [u["baseline_tpot_ms"] for u in shown]:
+            print(f"adaserve up: baseline re-measured\n{slo_lines(base, now)}", end="", flush=True)
+        shown = now
 
 
 def _grpc_serving(address: str) -> bool:
@@ -561,6 +591,7 @@ def run(args: argparse.Namespace) -> int:
             f"Press Ctrl-C to stop.",
             flush=True,
         )
+        threading.Thread(target=follow_slos, args=(base, launcher.stopping), daemon=True).start()
         code = launcher.watch()
     except KeyboardInterrupt:
         code = 0
