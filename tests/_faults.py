@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import signal
@@ -217,3 +218,63 @@ def wait_until(
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+# Long enough that a stream is still flowing when a fault hits it (the tiny model's
+# context is 512).
+LONG = 480
+
+
+class SSEClient:
+    """One streaming /v1/completions request on a thread, as a client sees it."""
+
+    def __init__(
+        self, url: str, prompt: list[int], max_tokens: int = LONG, model: str = "tiny"
+    ) -> None:
+        self.body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        self.url = url
+        self.frames: list[str] = []
+        self.status: int | None = None
+        self.transport_error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream(
+                "POST", f"{self.url}/v1/completions", json=self.body, timeout=120
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.frames.append(line[len("data: ") :])
+        except httpx.TransportError as exc:  # the connection died under us
+            self.transport_error = exc
+
+    def join(self) -> SSEClient:
+        self._thread.join(120)
+        assert not self._thread.is_alive()
+        return self
+
+    @property
+    def completed(self) -> bool:
+        return bool(self.frames) and self.frames[-1] == "[DONE]"
+
+    def text(self) -> str:
+        parts = []
+        for frame in self.frames:
+            if frame != "[DONE]" and "choices" in (obj := json.loads(frame)):
+                parts.extend(c["text"] for c in obj["choices"])
+        return "".join(parts)
+
+    def error(self) -> dict | None:
+        if self.frames and self.frames[-1] != "[DONE]":
+            return json.loads(self.frames[-1]).get("error")
+        return None

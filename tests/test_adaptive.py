@@ -13,7 +13,7 @@ from adaserve.adaptive import TIGHT_LEVEL, AcceptanceEstimate, plan_depth_width,
 from adaserve.config import AdaptiveSettings, SchedulerSettings
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import SelectionParams, select
-from tests.test_selection import FIG2_PARAMS, FIG2_R0, FIG2_R1, FIG2_REQUESTS
+from tests._selection import FIG2_PARAMS, FIG2_R0, FIG2_R1, FIG2_REQUESTS
 
 
 def test_eurosys_policy_examples():

@@ -19,8 +19,8 @@ from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter, DraftUpdate
 from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
+from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
 from tests.conftest import make_tiny_model
-from tests.test_engine import PROMPTS, hf_greedy, req, run_to_completion
 
 
 @pytest.fixture(scope="module")

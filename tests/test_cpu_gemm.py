@@ -18,8 +18,8 @@ from adaserve.model import cpu_gemm
 from adaserve.model.cpu_gemm import KernelUnavailable, PackedEmbedding, PackedLinear, pack_linears
 from adaserve.model.loader import load_runner
 from adaserve.model.runner import SeqInput
+from tests._engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
 from tests.conftest import make_tiny_model
-from tests.test_engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
 
 
 def _available() -> str | None:

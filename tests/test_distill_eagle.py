@@ -25,8 +25,8 @@ from adaserve.distill.eagle_measure import (
 from adaserve.distill.generate import generate_batch
 from adaserve.distill.llama import LlamaModel, LlamaShape
 from adaserve.distill.weights import load_teacher
+from tests._distill import fake_prompts
 from tests._stats import single_thread
-from tests.test_distill_train import _fake_prompts
 
 
 @pytest.fixture(autouse=True)
@@ -197,7 +197,7 @@ def test_exact_steps_equal_a_drafting_loop() -> None:
 
 def test_distill_eagle_end_to_end(tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:
     work, out = tmp_path / "work", tmp_path / "eagle"
-    _fake_prompts(work)
+    fake_prompts(work)
     args = [
         "distill",
         "--kind",

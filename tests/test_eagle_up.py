@@ -14,7 +14,7 @@ import pytest
 
 from tests._eagle import make_eagle_dir
 from tests._serving import make_served_model
-from tests.test_up import _launch, _wait_for
+from tests._up import launch_up, wait_for_line
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,9 @@ def test_up_with_an_eagle_head_is_lossless(models, tmp_path: Path, layout: str) 
     args = ["--target", str(target), "--drafter", str(head)]
     if layout == "all-in-one":
         args.append("--all-in-one")
-    proc, port = _launch(tmp_path, *args)
+    proc, port = launch_up(tmp_path, *args)
     try:
-        text = _wait_for(proc, r"Press Ctrl-C")
+        text = wait_for_line(proc, r"Press Ctrl-C")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
         def complete(prompt: str, method: str) -> str:

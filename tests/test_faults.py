@@ -11,7 +11,6 @@ one by one (`-k`).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,9 @@ from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from services.common.faults import DRAFTER_DELAY_ENV
 from tests._faults import (
+    LONG,
     Service,
+    SSEClient,
     StreamRecorder,
     drafter_stats,
     greedy_reference_ignore_eos,
@@ -51,7 +52,6 @@ slo:
 """
 GATEWAY_CONFIG = "gateway:\n  health_interval_s: 0.5\n"
 PROMPTS = [[(7 * i + 3 * k) % 90 + 4 for k in range(6 + i)] for i in range(8)]
-LONG = 480  # the tiny model's context is 512
 
 
 @dataclass
@@ -164,61 +164,6 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     finally:
         for svc in services:  # graceful shutdown is not under test here
             svc.kill()
-
-
-class SSEClient:
-    """One streaming /v1/completions request on a thread, as a client sees it."""
-
-    def __init__(
-        self, url: str, prompt: list[int], max_tokens: int = LONG, model: str = "tiny"
-    ) -> None:
-        self.body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        self.url = url
-        self.frames: list[str] = []
-        self.status: int | None = None
-        self.transport_error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            with httpx.stream(
-                "POST", f"{self.url}/v1/completions", json=self.body, timeout=120
-            ) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.frames.append(line[len("data: ") :])
-        except httpx.TransportError as exc:  # the connection died under us
-            self.transport_error = exc
-
-    def join(self) -> SSEClient:
-        self._thread.join(120)
-        assert not self._thread.is_alive()
-        return self
-
-    @property
-    def completed(self) -> bool:
-        return bool(self.frames) and self.frames[-1] == "[DONE]"
-
-    def text(self) -> str:
-        parts = []
-        for frame in self.frames:
-            if frame != "[DONE]" and "choices" in (obj := json.loads(frame)):
-                parts.extend(c["text"] for c in obj["choices"])
-        return "".join(parts)
-
-    def error(self) -> dict | None:
-        if self.frames and self.frames[-1] != "[DONE]":
-            return json.loads(self.frames[-1]).get("error")
-        return None
 
 
 # ---- deadlines ------------------------------------------------------------------------

@@ -19,9 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests._faults import Service, greedy_reference_ignore_eos, metric, verifier_stats, wait_until
+from tests._faults import (
+    Service,
+    SSEClient,
+    greedy_reference_ignore_eos,
+    metric,
+    verifier_stats,
+    wait_until,
+)
 from tests._serving import make_served_model
-from tests.test_faults import SSEClient
 
 pytestmark = pytest.mark.slow  # three serving processes
 

@@ -22,8 +22,8 @@ from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from services.common.server import BackgroundServer
 from services.verifier.server import build_server
-from tests.test_engine import LONG, PROMPTS, hf_greedy, make_engine, req, run_to_completion
-from tests.test_engine import target_dir as target_dir  # the module's fixture
+from tests._engine import LONG, PROMPTS, hf_greedy, make_engine, req, run_to_completion
+from tests._engine import target_dir as target_dir  # the module's fixture
 
 # ---- the quarantine's bisection (pure) ------------------------------------------------
 

@@ -8,8 +8,8 @@ import pytest
 
 from adaserve import metrics
 from adaserve.request import GenerationRequest, SamplingParams
-from tests.test_engine import hf_greedy, make_engine, run_to_completion
-from tests.test_engine import target_dir as target_dir  # the module's fixture
+from tests._engine import hf_greedy, make_engine, run_to_completion
+from tests._engine import target_dir as target_dir  # the module's fixture
 
 SYSTEM = list(range(10, 58))  # a 48-token shared start: 3 blocks of 16
 

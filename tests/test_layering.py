@@ -130,3 +130,31 @@ def test_architecture_module_map_names_every_module() -> None:
             if full not in names and inner not in names:
                 missing.append(full)
     assert missing == []
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every absolute module name `source` imports (`from a import b` counts a and a.b)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in helper modules (`tests/_*.py`) and `conftest.py`: a
+    test module importing another would run that module's tests' imports and fixtures
+    from the wrong place, and couples tests that should be read alone."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for name in imported_modules(path.read_text(encoding="utf-8")):
+            parts = name.split(".")
+            if parts[0] == "tests" and any(p.startswith("test_") for p in parts[1:]):
+                offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert offenders == []
+    # The checker sees both import forms.
+    assert "tests.test_x" in imported_modules("import tests.test_x")
+    assert "tests.test_x.f" in imported_modules("from tests.test_x import f")

@@ -26,8 +26,8 @@ from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
 from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
+from tests._engine import run_to_completion
 from tests.conftest import make_tiny_model
-from tests.test_engine import run_to_completion
 
 V = 256
 EOS = 2

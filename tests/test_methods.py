@@ -22,9 +22,9 @@ from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
 from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
+from tests._engine import hf_greedy
 from tests._stats import single_thread
 from tests.conftest import make_tiny_model
-from tests.test_engine import hf_greedy
 
 
 @pytest.fixture(autouse=True, scope="module")

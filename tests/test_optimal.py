@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from adaserve.selection import SelectionParams, select
 from adaserve.tree import CandidateTree
-from tests.test_selection import progress, tree_from_f
-from tests.test_selection_reference import trees
+from tests._selection import progress, tree_from_f
+from tests._selection_strategies import trees
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

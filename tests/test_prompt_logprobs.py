@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adaserve.request import GenerationRequest, SamplingParams, TokenLogprobs
-from tests.test_engine import make_engine
+from tests._engine import make_engine
 
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(45)]  # 45 tokens: several chunks
 

@@ -18,8 +18,8 @@ from adaserve.model.quantize import Int8Linear, quantize_int8
 from adaserve.model.runner import SeqInput
 from adaserve.scheduler import LocalScheduler
 from adaserve.target import RunnerTarget
+from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
 from tests.conftest import make_tiny_model
-from tests.test_engine import PROMPTS, hf_greedy, req, run_to_completion
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from adaserve.cli import main
-from tests.test_selection import FIG2_R0, FIG2_R1
+from tests._selection import FIG2_R0, FIG2_R1
 
 ADASERVE = Path(sys.executable).with_name("adaserve")
 

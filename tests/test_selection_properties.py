@@ -17,7 +17,7 @@ from adaserve.selection import (
     slo_phase,
 )
 from adaserve.tree import TreeBatch
-from tests.test_selection_reference import batches
+from tests._selection_strategies import batches
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -14,7 +14,7 @@ from adaserve.sim import driver
 from adaserve.sim.capacity import plan_units
 from adaserve.sim.driver import simulate
 from tests._serving import REPO
-from tests.test_sim_driver import small_workload
+from tests._sim import small_workload
 
 RPS = 40.0  # more than one unit of the capacity workload serves at its SLOs
 

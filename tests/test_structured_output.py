@@ -24,9 +24,9 @@ from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
 from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
+from tests._engine import run_to_completion
 from tests._oracle import OracleDrafter
 from tests._serving import IM_END, VOCAB, make_served_model
-from tests.test_engine import run_to_completion
 
 SCHEMAS = [
     {  # strings and bounded integers

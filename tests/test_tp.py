@@ -111,7 +111,7 @@ def test_tp_engine_prefills_in_chunks_beside_trees_losslessly(tiny_llama_untied_
     from adaserve.scheduler import LocalScheduler
     from adaserve.speculate import BeamDrafter
     from adaserve.target import RunnerTarget
-    from tests.test_engine import hf_greedy, req, run_to_completion
+    from tests._engine import hf_greedy, req, run_to_completion
 
     settings = load_settings(
         None,

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaserve.tree import CandidateTree, TreeBatch, TreeError
-from tests.test_selection_reference import greedy_key, trees
+from tests._selection_strategies import greedy_key, trees
 
 
 def test_path_probs_and_depths():

@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from tests._serving import REPO, TEST_CONFIG, Proc, free_port, make_served_model
+from tests._serving import REPO, Proc, free_port, make_served_model
+from tests._up import launch_up, wait_for_line
 
 pytestmark = pytest.mark.slow  # several model-serving processes
 
@@ -29,34 +30,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_served_model(root / "target", seed=0), make_served_model(root / "drafter", seed=1)
 
 
-def _launch(tmp: Path, *args: str, metrics_port: int | None = None) -> tuple[Proc, int]:
-    cfg = tmp / "cfg.yaml"
-    cfg.write_text(TEST_CONFIG)
-    port = free_port()
-    # Not the fixed default: other test runs may hold it.
-    metrics = free_port() if metrics_port is None else metrics_port
-    opts = f"up --port {port} --config {cfg} --log-dir {tmp / 'logs'} --startup-timeout 240"
-    opts += f" --metrics-port {metrics}"
-    proc = Proc([*opts.split(), *args], tmp / "up.log")
-    return proc, port
-
-
 def _json_lines(path: Path) -> list[dict]:
     """Every line of a service's log is one JSON object (one format for all)."""
     lines = path.read_text().splitlines()
     assert lines, path
     return [json.loads(line) for line in lines]
-
-
-def _wait_for(proc: Proc, pattern: str, timeout: float = 240.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = proc.log_path.read_text(errors="replace")
-        if re.search(pattern, text):
-            return text
-        proc.check_alive()
-        time.sleep(0.25)
-    raise TimeoutError(f"{pattern!r} not seen:\n{proc.log()}")
 
 
 def _child_pids(text: str) -> dict[str, int]:
@@ -85,7 +63,7 @@ def _shutdown(proc: Proc, pids: dict[str, int], sig: int) -> None:
 def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
     target, drafter = models
     metrics_port = free_port()
-    proc, port = _launch(
+    proc, port = launch_up(
         tmp_path,
         "--all-in-one",
         "--target",
@@ -95,7 +73,7 @@ def test_all_in_one(models: tuple[Path, Path], tmp_path: Path) -> None:
         metrics_port=metrics_port,
     )
     try:
-        text = _wait_for(proc, r"Press Ctrl-C")
+        text = wait_for_line(proc, r"Press Ctrl-C")
         # The baseline (20 ms in the test config) and what each class came to.
         assert re.search(
             r"SLOs\s+baseline TPOT 20\.0 ms; SLO classes coding 24\.0 ms, "
@@ -132,10 +110,10 @@ def test_services_die_with_a_killed_launcher(models: tuple[Path, Path], tmp_path
     """`adaserve up` killed outright (SIGKILL: no chance to stop its services) takes
     them with it instead of leaving them serving, ports held, as orphans."""
     target, drafter = models
-    proc, _ = _launch(tmp_path, "--target", str(target), "--drafter", str(drafter))
+    proc, _ = launch_up(tmp_path, "--target", str(target), "--drafter", str(drafter))
     pids: dict[str, int] = {}
     try:
-        pids = _child_pids(_wait_for(proc, r"Press Ctrl-C"))
+        pids = _child_pids(wait_for_line(proc, r"Press Ctrl-C"))
         assert set(pids) == {"scheduler", "drafter-0", "verifier-0", "gateway"}
         os.kill(proc.p.pid, signal.SIGKILL)  # the launcher alone, not its group
         deadline = time.monotonic() + 30
@@ -160,9 +138,9 @@ def test_separate_processes_two_units(models: tuple[Path, Path], tmp_path: Path)
         "--drafter",
         str(drafter) if has_drafter_service else "none",
     ]
-    proc, port = _launch(tmp_path, *args)
+    proc, port = launch_up(tmp_path, *args)
     try:
-        text = _wait_for(proc, r"Press Ctrl-C")
+        text = wait_for_line(proc, r"Press Ctrl-C")
         pids = _child_pids(text)
         expected = {"scheduler", "verifier-0", "verifier-1", "gateway"}
         if has_drafter_service:
@@ -188,7 +166,7 @@ def test_separate_processes_two_units(models: tuple[Path, Path], tmp_path: Path)
 
 
 def test_startup_failure_stops_everything(tmp_path: Path) -> None:
-    proc, _ = _launch(
+    proc, _ = launch_up(
         tmp_path, "--all-in-one", "--target", str(tmp_path / "no-such-model"), "--drafter", "none"
     )
     try:
@@ -300,15 +278,14 @@ def test_a_crashing_drafter_is_restarted_and_serving_continues(
     everything with a clear message."""
     from transformers import AutoTokenizer
 
-    from tests._faults import greedy_reference_ignore_eos, metric, wait_until
-    from tests.test_faults import SSEClient
+    from tests._faults import SSEClient, greedy_reference_ignore_eos, metric, wait_until
 
     target, _ = models
     # The target drafts for itself: long accepted paths, so a bad re-sync would show.
     args = ["--target", str(target), "--drafter", str(target)]
-    proc, port = _launch(tmp_path, *args, "--max-restarts", "1", "--restart-window", "600")
+    proc, port = launch_up(tmp_path, *args, "--max-restarts", "1", "--restart-window", "600")
     try:
-        text = _wait_for(proc, r"Press Ctrl-C")
+        text = wait_for_line(proc, r"Press Ctrl-C")
         url = f"http://127.0.0.1:{port}"
         engine_metrics = re.search(r"metrics\s+(\S+)\s+\(verifier-0: engine\)", text)
         assert engine_metrics, text
@@ -325,7 +302,7 @@ def test_a_crashing_drafter_is_restarted_and_serving_continues(
         assert before > 0, "no speculation before the crash"
         os.kill(_child_pids(text)["drafter-0"], signal.SIGKILL)
         assert not all(c.completed for c in clients), "the streams ended before the crash"
-        text = _wait_for(proc, r"restarted drafter-0\s+pid \d+", timeout=60)
+        text = wait_for_line(proc, r"restarted drafter-0\s+pid \d+", timeout=60)
         assert "drafter-0 exited with -9; restarting it in 1 s" in text
         for c, ref in zip(clients, refs, strict=True):
             c.join()

@@ -18,8 +18,8 @@ from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
 from services.common.convert import load_from_pb
 from services.common.server import BackgroundServer
 from services.verifier.server import LIVENESS, build_server
+from tests._engine import make_engine
 from tests.conftest import make_tiny_model
-from tests.test_engine import make_engine
 
 
 class WedgeableTarget:
