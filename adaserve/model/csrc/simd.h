@@ -24,13 +24,19 @@ inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+// 16 int8 / uint8 values -> 16 / kLanes float vectors (exact); 16 / 32 float16 -> float.
+inline void vcvt_i8x16(__m128i b, vec* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+inline void vcvt_u8x16(__m128i b, vec* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline vec vload_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
 inline vmask vmask_first(int64_t n) {
   return n >= 16 ? (vmask)0xFFFF : n <= 0 ? (vmask)0 : (vmask)((1u << n) - 1);
 }
 inline bool vmask_any(vmask m) { return m != 0; }
 inline vec vload_masked(vmask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore_masked(float* p, vmask m, vec v) { _mm512_mask_storeu_ps(p, m, v); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // 16 ymm registers: a tile of 5 rows x 4 vectors (one block) spills some accumulators
 // to L1, yet on Zen 3 a forward's linear layers for 5 rows cost ~1.1x one row with it,
 // against ~1.4x with 2 rows (no spill, but a third pass over each block).
@@ -49,6 +55,15 @@ inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+inline void vcvt_i8x16(__m128i b, vec* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+inline void vcvt_u8x16(__m128i b, vec* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+inline vec vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }  // F16C
 inline vmask vmask_first(int64_t n) {
   const int c = n >= 8 ? 8 : n <= 0 ? 0 : (int)n;
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -57,7 +72,7 @@ inline bool vmask_any(vmask m) { return !_mm256_testz_si256(m, m); }
 inline vec vload_masked(vmask m, const float* p) { return _mm256_maskload_ps(p, m); }
 inline void vstore_masked(float* p, vmask m, vec v) { _mm256_maskstore_ps(p, m, v); }
 #else
-#error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma"
+#error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma -mf16c"
 #endif
 
 // Horizontal sum, always in the same order (a fixed tree over the lanes).
