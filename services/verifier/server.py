@@ -254,6 +254,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             },
             speculation_methods=list(info.speculation_methods),
             tool_call_format=tool_call_format(self.tokenizer) if self.tokenizer else "",
+            quantization=info.quantization,
         )
 
     async def Stats(
