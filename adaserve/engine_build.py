@@ -179,7 +179,9 @@ def report_quantization(role: str, runner) -> str:
     adaserve_model_quantization{role, quantization} = 1; returns it."""
     name = getattr(runner, "quantization", "none")  # a TPRunner: none (stored is tp 1)
     formats = getattr(runner, "weight_formats", {})
-    detail = f" ({', '.join(f'{n} {f}' for f, n in sorted(formats.items()))} layers)" if formats else ""
+    detail = (
+        f" ({', '.join(f'{n} {f}' for f, n in sorted(formats.items()))} layers)" if formats else ""
+    )
     log.info("%s weights: %s%s", role, name, detail)
     metrics.model_quantization.labels(role=role, quantization=name).set(1)
     return name

@@ -75,7 +75,9 @@ def test_the_file_holds_what_the_kernel_serves(gguf_tensors):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0"])
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0"]
+)
 def test_products_match_a_float64_matmul_of_the_dequantized_weights(gguf_tensors, name, isa):
     """Dequantization is exact, so the only error is float32 accumulation: per output
     at most ~K * eps * sum_k |x_k w_k| (K sequential FMAs, each rounding at most eps

@@ -55,12 +55,19 @@ def gguf_source(path: Path) -> Path | None:
 
 
 def resolve_quantization(
-    quantization: str, path: Path, device: torch.device, dtype: torch.dtype, tp: int, cpu_kernel: str
+    quantization: str,
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: int,
+    cpu_kernel: str,
 ) -> str:
     """`quantization` with `auto` decided, for a model in `path`; ValueError where
     `stored` is asked for and cannot run (the message says why)."""
     if quantization not in TARGET_QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r} ({' | '.join(TARGET_QUANTIZATIONS)})")
+        raise ValueError(
+            f"unknown quantization {quantization!r} ({' | '.join(TARGET_QUANTIZATIONS)})"
+        )
     if quantization not in ("auto", "stored"):
         return quantization
     why = None
@@ -114,7 +121,10 @@ def serve_stored(model: LlamaModel, gguf: Path, isa: str | None = None) -> Count
         found = [tensors.get(n) for n in names]
         types = {None if t is None else int(t.tensor_type) for t in found}
         if len(types) != 1 or (kind := types.pop()) not in GGML_TYPES:
-            what = ", ".join(f"{n} {t.tensor_type.name if t else 'missing'}" for n, t in zip(names, found, strict=True))
+            what = ", ".join(
+                f"{n} {t.tensor_type.name if t else 'missing'}"
+                for n, t in zip(names, found, strict=True)
+            )
             log.info("stored weights: %s stays float32 (%s)", attr, what)
             formats["F32"] += 1
             return None
@@ -141,11 +151,11 @@ def serve_stored(model: LlamaModel, gguf: Path, isa: str | None = None) -> Count
     head = swap(model, "lm_head", ["token_embd.weight" if tied else "output.weight"])
     if tied and head is not None:
         model.embed = QuantEmbedding(head)
-    elif not tied and (t := tensors.get("token_embd.weight")) is not None:
-        if int(t.tensor_type) in GGML_TYPES:  # an embedding-only table: lookups alone
-            table = QuantLinear(_raw(t), int(t.tensor_type), embed.weight_t.shape[0], isa=isa)
-            _check(table, embed.weight_t, f"{gguf.name}: token_embd.weight")
-            model.embed = QuantEmbedding(table)
+    elif not tied and (t := tensors.get("token_embd.weight")) and int(t.tensor_type) in GGML_TYPES:
+        # An untied embedding is a lookup table only: its blocks, gathered per token.
+        table = QuantLinear(_raw(t), int(t.tensor_type), embed.weight_t.shape[0], isa=isa)
+        _check(table, embed.weight_t, f"{gguf.name}: token_embd.weight")
+        model.embed = QuantEmbedding(table)
     log.info(
         "stored weights from %s: %s linear layers (dequantized in registers, packed CPU kernel)",
         gguf.name,
