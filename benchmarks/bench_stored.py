@@ -45,7 +45,7 @@ def use_isa(runner: ModelRunner, isa: str) -> None:
             m._call = lib.adaserve_skinny_linear
 
 
-def forward_latency(reps: int, prefix_len: int) -> None:
+def forward_latency(reps: int, prefix_len: int, clock) -> None:
     isas = cpu_gemm.supported_isas()
     runners: dict[str, ModelRunner] = {}
     for quant in ("none", "stored"):
@@ -62,12 +62,12 @@ def forward_latency(reps: int, prefix_len: int) -> None:
         r.forward([SeqInput.chain("bench", prefix)], last_only=True)
         r.commit("bench", range(prefix_len))
         for n in SIZES:
-            time_forward(r, "bench", *trees[n], lambda: None, time.perf_counter)
+            time_forward(r, "bench", *trees[n], lambda: None, clock)
     samples = {k: {n: [] for n in SIZES} for k in runners}
     for _ in range(reps):
         for n in SIZES:
             for k, r in runners.items():
-                dt = time_forward(r, "bench", *trees[n], lambda: None, time.perf_counter)
+                dt = time_forward(r, "bench", *trees[n], lambda: None, clock)
                 samples[k][n].append(dt * 1e3)
     print(
         f"forward ms after a {prefix_len}-token prefix, median of {reps} ({torch.get_num_threads()} threads)"
@@ -104,7 +104,7 @@ def engine_tokens_per_s(tokens: int, reps: int) -> None:
     for rep in range(reps + 1):  # the first round warms up
         for quant, engine in engines.items():
             params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            stream = engine.submit(GenerationRequest(f"{quant}-{rep}", tuple(prompt), params))
+            stream = engine.submit(GenerationRequest(f"{quant}-{rep}", tuple(prompt), params, tpot_slo_ms=1e4))
             out: list[int] = []
             t0 = time.perf_counter()
             while engine.has_work():
@@ -134,10 +134,15 @@ def main() -> None:
     ap.add_argument("--e2e-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-e2e", action="store_true")
+    # cpu: this process's CPU time, the fairer measure on a shared, oversubscribed
+    # machine with one thread (it leaves out waiting for a core; bench_verify.py's).
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    forward_latency(args.reps, args.prefix)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"clock: {args.clock}")
+    forward_latency(args.reps, args.prefix, clock)
     if not args.skip_e2e:
         engine_tokens_per_s(args.tokens, args.e2e_reps)
 
