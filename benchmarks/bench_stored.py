@@ -104,7 +104,9 @@ def engine_tokens_per_s(tokens: int, reps: int) -> None:
     for rep in range(reps + 1):  # the first round warms up
         for quant, engine in engines.items():
             params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            stream = engine.submit(GenerationRequest(f"{quant}-{rep}", tuple(prompt), params, tpot_slo_ms=1e4))
+            stream = engine.submit(
+                GenerationRequest(f"{quant}-{rep}", tuple(prompt), params, tpot_slo_ms=1e4)
+            )
             out: list[int] = []
             t0 = time.perf_counter()
             while engine.has_work():

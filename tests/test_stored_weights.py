@@ -24,7 +24,6 @@ from adaserve.model import cpu_gemm
 from adaserve.model.cpu_gemm import QuantEmbedding, QuantLinear
 from adaserve.model.embedded import embedded_gguf
 from adaserve.model.loader import load_runner, load_tokenizer
-from adaserve.model.runner import SeqInput
 from adaserve.model.stored import gguf_source, resolve_quantization
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.sampling import TokenRng
@@ -33,7 +32,8 @@ from adaserve.speculate import BeamDrafter
 from adaserve.target import RunnerTarget
 from tests._spec_loop import generate, random_budget
 from tests._stats import single_thread
-from tests.test_cpu_gemm import ISAS, RUNNABLE, needs_kernel
+from tests.test_cpu_gemm import ISAS, RUNNABLE, _logits, needs_kernel
+from tests.test_engine import run_to_completion
 
 pytestmark = needs_kernel
 ROWS = [1, 3, 5, 8, 16, 37]
@@ -132,14 +132,6 @@ def test_columns_and_embedding_lookups_are_the_gguf_values(gguf_tensors, name):
     assert torch.equal(got, torch.from_numpy(w)[ids])
 
 
-def _logits(runner, prompt: list[int]) -> torch.Tensor:
-    runner.add_sequence("s")
-    try:
-        return runner.forward([SeqInput.chain("s", np.asarray(prompt, np.int32))]).float()
-    finally:
-        runner.free("s")
-
-
 @pytest.fixture(scope="module")
 def stored():
     with single_thread():
@@ -218,26 +210,18 @@ def test_speculation_on_the_stored_target_is_lossless(stored):
             settings,
         )
         for batch in (["p1"], ["p0", "p1", "p2"]):
-            streams = {
-                k: engine.submit(
+            streams = [
+                engine.submit(
                     GenerationRequest(
-                        f"{k}-{len(batch)}",
+                        k,
                         tuple(prompts[k]),
                         SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         tpot_slo_ms=[40.0, 100.0, 400.0][i],
                     )
                 )
                 for i, k in enumerate(batch)
-            }
-            out = {k: [] for k in batch}
-            for _ in range(200):
-                engine.step()
-                for k, s in streams.items():
-                    while (d := s.get(timeout=0)) is not None:
-                        out[k].extend(d.token_ids)
-                if not engine.has_work():
-                    break
-            assert out == {k: ref[k] for k in batch}
+            ]
+            assert run_to_completion(engine, streams)["tokens"] == {k: ref[k] for k in batch}
 
         sps = {
             "p0": SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_TOKENS),

@@ -39,6 +39,7 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -150,7 +151,36 @@ def quantize_columns(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-class PackedLinear(nn.Module):
+class _KernelLinear(nn.Module):
+    """The forward of the packed kernel's layers: both entry points take (x, rows, in,
+    weights, extra, out, bias, y, threads), `extra` being an int8 layer's scales or a
+    GGUF layer's block type. Subclasses bind the pointers once: a forward makes ~120
+    of these calls."""
+
+    in_features: int
+    out_features: int
+    _call: Any
+    _w: int
+    _extra: int | None
+    _b: int | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__} takes float32 [T, {self.in_features}], got {x.shape}"
+            )
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            n, k = self.out_features, self.in_features
+            self._call(
+                x.data_ptr(), rows, k, self._w, self._extra, n, self._b, y.data_ptr(), _threads()
+            )
+        return y
+
+
+class PackedLinear(_KernelLinear):
     """y = x W^T (+ b) through the packed kernel; x [T, in] fp32, any T. With int8,
     W is stored int8 per output feature (a drafter's layers: quantize.py). `isa` picks
     a build other than the CPU's widest (tests compare them)."""
@@ -176,34 +206,16 @@ class PackedLinear(nn.Module):
             self.scale[: self.out_features] = scale
         else:
             self.packed = pack(weight_t.detach().float(), block)
-        # A forward makes ~120 of these calls: bind what does not change once.
         self._call = lib.adaserve_skinny_linear
         self._w = self.packed.data_ptr()
-        self._s = None if self.scale is None else self.scale.data_ptr()
+        self._extra = None if self.scale is None else self.scale.data_ptr()
         self._b = None if self.bias is None else self.bias.data_ptr()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _check_linear_input(x, self.in_features)
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows:
-            n, k = self.out_features, self.in_features
-            self._call(
-                x.data_ptr(), rows, k, self._w, self._s, n, self._b, y.data_ptr(), _threads()
-            )
-        return y
 
 
 # GGUF block types the kernel serves as stored: ggml_type id -> (name, bytes per block
 # of 32 weights, whether the block has a float16 minimum after its scale).
 GGML_TYPES = {2: ("Q4_0", 18, False), 3: ("Q4_1", 20, True), 8: ("Q8_0", 34, False)}
 GROUP = 32  # weights per GGUF block, along the input features
-
-
-def _check_linear_input(x: torch.Tensor, in_features: int) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"packed linear layers take float32 [T, {in_features}], got {x.shape}")
-    return x.contiguous()
 
 
 def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
@@ -265,7 +277,7 @@ def unpack_gguf_columns(
     return w.reshape(n, groups * GROUP)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(_KernelLinear):
     """y = x W^T (+ b) with W a GGUF tensor's quantized blocks as stored (Q4_0, Q4_1,
     Q8_0), dequantized in registers by the packed kernel: the same FMA chains as
     PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
@@ -291,6 +303,7 @@ class QuantLinear(nn.Module):
         assert self.packed.shape[2] == lib.adaserve_quant_group_bytes(ggml_type)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._call = lib.adaserve_quant_linear
+        self._extra = ggml_type
         self._w = self.packed.data_ptr()
         self._b = None if self.bias is None else self.bias.data_ptr()
 
@@ -301,17 +314,6 @@ class QuantLinear(nn.Module):
     def columns(self, cols: torch.Tensor) -> torch.Tensor:
         """Dequantized weights of output features `cols`, float32 [len(cols), in]."""
         return unpack_gguf_columns(self.packed, self.ggml_type, cols)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _check_linear_input(x, self.in_features)
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows:
-            n, k = self.out_features, self.in_features
-            self._call(
-                x.data_ptr(), rows, k, self._w, self.ggml_type, n, self._b, y.data_ptr(), _threads()
-            )
-        return y
 
 
 class QuantEmbedding(nn.Module):

@@ -34,6 +34,25 @@ constexpr int kVecs = kBlock / kLanes;  // vectors per block row
 constexpr int64_t kAhead = 32;   // prefetch distance in k: 4 KB ahead in each stream
 constexpr int64_t kChunk = 128;  // features per FMA chain (see tile)
 
+template <int M, int V>
+inline void zero(vec (&acc)[M][V]) {
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[m][v] = vzero();
+}
+
+// One feature's step of every output's FMA chain: acc[m] += x[m * K] * w, per row m.
+template <int M, int V>
+inline void fma_rows(vec (&acc)[M][V], const float* x, int64_t K, const vec* wv) {
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    const vec xv = vset1(x[m * K]);
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[m][v] = vfma(xv, wv[v], acc[m][v]);
+  }
+}
+
 // Stores a tile's sums: the first chunk of features stores them, later ones add
 // theirs to y, and the last applies the scale (int8 weights) and adds the bias.
 template <int M, int V>
@@ -74,10 +93,7 @@ struct Dense {
             int64_t ncols) const {
     constexpr int V = kVecs * B;
     vec acc[M][V];
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[m][v] = vzero();
+    zero<M, V>(acc);
     const int64_t bs = K * kBlock;
     const W* wb = w + blk * bs;
     for (int64_t k = k0; k < k1; ++k) {
@@ -90,12 +106,7 @@ struct Dense {
 #pragma GCC unroll 4
         for (int j = 0; j < kVecs; ++j) wv[kVecs * b + j] = vload(p + kLanes * j);
       }
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const vec xv = vset1(x[m * K + k]);
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) acc[m][v] = vfma(xv, wv[v], acc[m][v]);
-      }
+      fma_rows<M, V>(acc, x + k, K, wv);
     }
     store<M, V>(acc, k0 == 0, k1 == K, scale == nullptr ? nullptr : scale + blk * kBlock,
                 bias == nullptr ? nullptr : bias + blk * kBlock, y, ldy, ncols);
@@ -155,10 +166,7 @@ struct Quant {
             int64_t ncols) const {
     constexpr int V = kVecs * B;
     vec acc[M][V];
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[m][v] = vzero();
+    zero<M, V>(acc);
     const int64_t bs = K / kGroup * kBytes;
     const uint8_t* wb = w + blk * bs;
     for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
@@ -182,12 +190,7 @@ struct Quant {
         vec wv[V];
 #pragma GCC unroll 4
         for (int b = 0; b < B; ++b) weights(q[b], kk, d + kVecs * b, mn + kVecs * b, wv + kVecs * b);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          const vec xv = vset1(xg[m * K + kk]);
-#pragma GCC unroll 8
-          for (int v = 0; v < V; ++v) acc[m][v] = vfma(xv, wv[v], acc[m][v]);
-        }
+        fma_rows<M, V>(acc, xg + kk, K, wv);
       }
     }
     store<M, V>(acc, k0 == 0, k1 == K, nullptr, bias == nullptr ? nullptr : bias + blk * kBlock,
