@@ -179,6 +179,17 @@ def test_settings_resolve_and_refuse(tiny_llama_dir):
     assert load_settings(None).model.quantization == "auto"
 
 
+def test_the_choice_is_logged_and_exported(stored, caplog):
+    from adaserve import metrics
+    from adaserve.engine_build import report_quantization
+
+    with caplog.at_level("INFO"):
+        assert report_quantization("target", stored) == "stored"
+    assert "target weights: stored (120 Q4_1, 1 Q8_0 layers)" in caplog.text
+    gauge = metrics.model_quantization.labels(role="target", quantization="stored")
+    assert gauge._value.get() == 1.0
+
+
 def _dir() -> Path:
     from adaserve.model.loader import resolve_model
 
