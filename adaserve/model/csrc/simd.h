@@ -24,11 +24,17 @@ inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
-// 16 int8 / uint8 values -> 16 / kLanes float vectors (exact); 16 / 32 float16 -> float.
+// 16 int8 values -> 16 / kLanes float vectors (exact); kLanes float16 -> float.
 inline void vcvt_i8x16(__m128i b, vec* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
-inline void vcvt_u8x16(__m128i b, vec* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline vec vload_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+// 16 bytes of two nibbles each -> 32 floats: out[0] the low nibbles, out[1] the high
+// ones (widened to int32 first, so the high nibble is one shift, no mask).
+inline void vcvt_nibbles(const uint8_t* p, vec* out) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
 }
 inline vmask vmask_first(int64_t n) {
   return n >= 16 ? (vmask)0xFFFF : n <= 0 ? (vmask)0 : (vmask)((1u << n) - 1);
@@ -59,11 +65,18 @@ inline void vcvt_i8x16(__m128i b, vec* out) {
   out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
-inline void vcvt_u8x16(__m128i b, vec* out) {
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-}
 inline vec vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }  // F16C
+// 16 bytes of two nibbles each -> 32 floats: out[0..1] the low nibbles (bytes 0-7,
+// 8-15), out[2..3] the high ones.
+inline void vcvt_nibbles(const uint8_t* p, vec* out) {
+  const __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(d0, m));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(d1, m));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d0, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d1, 4));
+}
 inline vmask vmask_first(int64_t n) {
   const int c = n >= 8 ? 8 : n <= 0 ? 0 : (int)n;
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
