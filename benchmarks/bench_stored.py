@@ -32,7 +32,7 @@ from adaserve.model.runner import ModelRunner, SeqInput
 from benchmarks.bench_verify import beam_tree, time_forward
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "embedded-cpu.yaml"
-SIZES = [1, 5, 8, 16]
+SIZES = [1, 5, 8, 16, 64]  # 64: a prefill chunk
 
 
 def use_isa(runner: ModelRunner, isa: str) -> None:
