@@ -251,11 +251,10 @@ void linear(const Op& op, const float* x, int64_t M, int64_t N, float* y, int th
     const int64_t ncols = N - b * kBlock;
     float* yb = y + b * kBlock;
     if constexpr (Op::kQuant) {
-      // More than two register tiles of rows (prefill chunks): dequantize the block
+      // More rows than kScratchRows (prefill chunks; simd.h): dequantize the block
       // once into an L2-sized scratch and run the float32 tile over it, instead of once
-      // per tile of rows (64 rows: 0.87x the time; 9-16 rows gain nothing). The same
-      // floats and FMA chains, so the same bits.
-      if (M > 2 * kRows) {
+      // per tile of rows. The same floats and FMA chains, so the same bits.
+      if (M > kScratchRows) {
         thread_local std::vector<float> scratch;
         scratch.resize(op.K * kBlock);
         op.dequantize(b, scratch.data());
