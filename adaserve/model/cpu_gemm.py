@@ -16,6 +16,11 @@ order) for any number of rows and on either build, so a token's logits do not de
 on the tree verified beside it. The result differs from MKL's in the last bits
 (another summation order), as any two BLAS do.
 
+The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (`QuantLinear`,
+`model.quantization: stored`, stored.py): blocks repacked at load, dequantized exactly
+in registers, then the same FMA chains, so the same bits as PackedLinear over the
+GGUF's dequantized weights from a sixth (Q4_1) of the bytes.
+
 The same library holds the small per-layer ops (tree attention, RMSNorm) that
 cpu_ops.py puts around these layers.
 

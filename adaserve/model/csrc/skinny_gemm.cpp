@@ -17,6 +17,10 @@
 // layers): a quarter of the bytes to stream, converted to float in registers, while
 // the activations stay float32 (fbgemm's dynamic int8 quantizes them too).
 //
+// And it takes GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (Quant below), dequantized
+// exactly in registers once per feature and tile of rows, then the same FMA chains:
+// the bits of the float32 kernel over the GGUF's dequantized weights.
+//
 // Plain C ABI, no torch headers: it builds in about a second and is called through
 // ctypes. Threads come from OpenMP; loaded into a process that imported torch, the
 // soname libgomp.so.1 resolves to torch's own runtime and thread pool.
