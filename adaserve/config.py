@@ -250,6 +250,15 @@ class ModelSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto -> cuda if available else cpu
     served_name: str | None = None  # the `model` clients send; None -> derived from target
+    # What the target's weights run as (adaserve/model/stored.py). "stored": a GGUF
+    # target's Q4_0 / Q4_1 / Q8_0 tensors as the file stores them, dequantized in
+    # registers by the packed CPU kernel (the same logits as "none", bit for bit, from a
+    # sixth of the bytes for Q4_1; one-rank float32 CPU only, refused elsewhere).
+    # "none": float32 (bfloat16 on a GPU) weights, the GGUF dequantized at conversion.
+    # "int8": weight-only int8 per output feature on a CPU (logits change slightly; an
+    # fp32 Hugging Face target's option). "auto": stored where it runs, else none.
+    # Logged at startup, in /v1/models and as adaserve_model_quantization.
+    quantization: Literal["auto", "none", "stored", "int8"] = "auto"
     # "int8": where the drafter runs on a CPU, its linear layers run as dynamic int8
     # (about twice as fast a draft step; output unchanged, the target verifies every
     # token). Ignored on a GPU, so one settings file serves both.

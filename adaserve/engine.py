@@ -134,6 +134,7 @@ class EngineInfo:
     slo_floor_ms: float  # the best TPOT one request alone can expect (Engine.slo_floor)
     speculation_methods: tuple[str, ...] = ("auto", "none")  # what requests may ask for
     baseline: Baseline | None = None  # how baseline_tpot_ms was set or measured
+    quantization: str = "none"  # what the target's weights run as (model.quantization)
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,7 @@ class Engine:
         ngram: Drafter | None = None,
         baseline: Baseline | None = None,
         remeasure: Remeasure | None = None,
+        quantization: str = "none",
     ) -> None:
         if settings.slo.baseline_tpot_ms == "auto":
             raise ValueError(
@@ -313,6 +315,7 @@ class Engine:
         )
         self.clock = clock
         self.model_name = model_name
+        self.quantization = quantization
         self.local_scheduler = LocalScheduler(settings.scheduler)
         self.scheduler = FallbackScheduler(scheduler, self.local_scheduler)
         self.drafter: FallbackDrafter | None = None
@@ -564,6 +567,7 @@ class Engine:
             speculative=self.drafter is not None or self.ngram is not None,
             slo_floor_ms=self.slo_floor().tpot_ms,
             speculation_methods=self.methods,
+            quantization=self.quantization,
         )
 
     def start(self, executor: Executor | None = None) -> None:

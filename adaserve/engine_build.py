@@ -50,11 +50,13 @@ def build_engine(
         kv_blocks=settings.engine.kv_blocks,
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
+        quantization=ms.quantization,
         cpu_kernel=ms.cpu_kernel,
         prefix_caching=settings.engine.prefix_caching,
         attention_backend=ms.attention_backend,
     )
     report_backend("target", runner)
+    quantization = report_quantization("target", runner)
     tokenizer = load_tokenizer(target_dir)
     baseline, remeasure = None, None
     if settings.slo.baseline_tpot_ms == "auto":
@@ -73,6 +75,7 @@ def build_engine(
         settings=settings,
         tokenizer=tokenizer,
         model_name=served_name(settings, target_dir),
+        quantization=quantization,
         ngram=build_ngram(settings) if speculate else None,
         baseline=baseline,
         remeasure=remeasure,
@@ -159,6 +162,7 @@ def build_drafter(
         attention_backend=ms.attention_backend,
     )
     report_backend("drafter", runner)
+    report_quantization("drafter", runner)
     return BeamDrafter(runner)
 
 
@@ -191,6 +195,19 @@ def report_backend(role: str, runner) -> str:
     name = runner.backend.name
     log.info("%s attention backend: %s", role, name)
     metrics.attention_backend.labels(role=role, backend=name).set(1)
+    return name
+
+
+def report_quantization(role: str, runner) -> str:
+    """Log what `runner`'s weights run as (model.quantization, decided) and export it as
+    adaserve_model_quantization{role, quantization} = 1; returns it."""
+    name = getattr(runner, "quantization", "none")  # a TPRunner: none (stored is tp 1)
+    formats = getattr(runner, "weight_formats", {})
+    detail = (
+        f" ({', '.join(f'{n} {f}' for f, n in sorted(formats.items()))} layers)" if formats else ""
+    )
+    log.info("%s weights: %s%s", role, name, detail)
+    metrics.model_quantization.labels(role=role, quantization=name).set(1)
     return name
 
 

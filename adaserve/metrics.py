@@ -57,6 +57,11 @@ attention_backend = Gauge(
     "1 for the attention backend each model of this process runs (model.attention_backend)",
     ["role", "backend"],
 )
+model_quantization = Gauge(
+    "adaserve_model_quantization",
+    "1 for what each model's weights run as (model.quantization: none, int8, stored)",
+    ["role", "quantization"],
+)
 
 iterations_total = Counter("adaserve_iterations_total", "Decode iterations")
 prefill_tokens_total = Counter(

@@ -165,7 +165,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        """OpenAI's model list, plus each model's max_model_len and `slo` (as in
+        """OpenAI's model list, plus each model's max_model_len, `quantization` and `slo` (as in
         /v1/slo, from the first of its healthy units by address, with each class's TPOT
         the fleet's: what a request of that class is given, whichever unit serves it)."""
         router: Router = request.app.state.gateway.router
@@ -180,6 +180,8 @@ def create_app(
                 "created": 0,
                 "owned_by": "adaserve",
                 "max_model_len": info.max_model_len,
+                # What the weights run as: "stored" (a GGUF's quantized blocks), "none", "int8".
+                "quantization": info.quantization or "none",
                 "slo": slo_info(info, router, name),
             }
             for name, info in sorted(seen.items())

@@ -125,6 +125,9 @@ def _finish(ref: list[int]) -> str:
 def test_models(stack: Stack) -> None:
     models = stack.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    # What the weights run as (model.quantization): a Hugging Face directory's are float32.
+    (model,) = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
+    assert model["quantization"] == "none"
 
 
 def test_slo_contract_is_published(stack: Stack) -> None:

@@ -47,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="none",
         help="profile the drafter as model.drafter_quantization runs it (int8: on a CPU)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=["auto", "none", "stored", "int8"],
+        default="auto",
+        help="profile the target as model.quantization runs it (auto: a GGUF's stored "
+        "blocks on a CPU, as served by default)",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
@@ -69,7 +76,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         grid = grid_from_args(_ints(args.tokens), _ints(args.contexts), args.reps, args.max_tokens)
-        target = load_runner(args.target, args.device, args.dtype, threads=args.threads)
+        target = load_runner(
+            args.target,
+            args.device,
+            args.dtype,
+            threads=args.threads,
+            quantization=args.quantization,
+        )
         drafter = None
         if args.drafter != "none":
             drafter = load_runner(

@@ -16,6 +16,11 @@ order) for any number of rows and on either build, so a token's logits do not de
 on the tree verified beside it. The result differs from MKL's in the last bits
 (another summation order), as any two BLAS do.
 
+The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (`QuantLinear`,
+`model.quantization: stored`, stored.py): blocks repacked at load, dequantized exactly
+in registers, then the same FMA chains, so the same bits as PackedLinear over the
+GGUF's dequantized weights from a sixth (Q4_1) of the bytes.
+
 The same library holds the small per-layer ops (tree attention, RMSNorm) that
 cpu_ops.py puts around these layers.
 
@@ -39,6 +44,7 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,7 +62,7 @@ SOURCES = (CSRC / "skinny_gemm.cpp", CSRC / "cpu_ops.cpp")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 # torch's name for the CPU's vector capability -> our build of the kernel for it.
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
 _TORCH_ISA = {"AVX512": "avx512", "AVX2": "avx2"}
 
 
@@ -114,6 +120,11 @@ def kernel(isa: str | None = None) -> ctypes.CDLL:
     dll.adaserve_skinny_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     dll.adaserve_skinny_linear.restype = None
     dll.adaserve_skinny_block.restype = ctypes.c_int
+    dll.adaserve_quant_linear.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr]
+    dll.adaserve_quant_linear.argtypes += [ctypes.c_int]
+    dll.adaserve_quant_linear.restype = None
+    dll.adaserve_quant_group_bytes.argtypes = [ctypes.c_int]
+    dll.adaserve_quant_group_bytes.restype = i64
     f32, i32 = ctypes.c_float, ctypes.c_int
     dll.adaserve_tree_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr]
     dll.adaserve_tree_attention.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, i64, f32, ptr, i32]
@@ -145,7 +156,36 @@ def quantize_columns(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-class PackedLinear(nn.Module):
+class _KernelLinear(nn.Module):
+    """The forward of the packed kernel's layers: both entry points take (x, rows, in,
+    weights, extra, out, bias, y, threads), `extra` being an int8 layer's scales or a
+    GGUF layer's block type. Subclasses bind the pointers once: a forward makes ~120
+    of these calls."""
+
+    in_features: int
+    out_features: int
+    _call: Any
+    _w: int
+    _extra: int | None
+    _b: int | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__} takes float32 [T, {self.in_features}], got {x.shape}"
+            )
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            n, k = self.out_features, self.in_features
+            self._call(
+                x.data_ptr(), rows, k, self._w, self._extra, n, self._b, y.data_ptr(), _threads()
+            )
+        return y
+
+
+class PackedLinear(_KernelLinear):
     """y = x W^T (+ b) through the packed kernel; x [T, in] fp32, any T. With int8,
     W is stored int8 per output feature (a drafter's layers: quantize.py). `isa` picks
     a build other than the CPU's widest (tests compare them)."""
@@ -171,24 +211,126 @@ class PackedLinear(nn.Module):
             self.scale[: self.out_features] = scale
         else:
             self.packed = pack(weight_t.detach().float(), block)
-        # A forward makes ~120 of these calls: bind what does not change once.
         self._call = lib.adaserve_skinny_linear
         self._w = self.packed.data_ptr()
-        self._s = None if self.scale is None else self.scale.data_ptr()
+        self._extra = None if self.scale is None else self.scale.data_ptr()
         self._b = None if self.bias is None else self.bias.data_ptr()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"PackedLinear takes float32 [T, {self.in_features}], got {x.shape}")
-        x = x.contiguous()
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows:
-            n, k = self.out_features, self.in_features
-            self._call(
-                x.data_ptr(), rows, k, self._w, self._s, n, self._b, y.data_ptr(), _threads()
-            )
-        return y
+
+# GGUF block types the kernel serves as stored: ggml_type id -> (name, bytes per block
+# of 32 weights, whether the block has a float16 minimum after its scale).
+GGML_TYPES = {2: ("Q4_0", 18, False), 3: ("Q4_1", 20, True), 8: ("Q8_0", 34, False)}
+GROUP = 32  # weights per GGUF block, along the input features
+
+
+def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
+    """GGUF blocks of an [out, in] matrix, raw uint8 [out, in / 32 * block bytes], ->
+    uint8 [ceil(out / block), in / 32, group bytes] (skinny_gemm.cpp's layout): per
+    block of output columns and group of 32 features, the columns' float16 scales, then
+    (Q4_1) minimums, then per feature the columns' quants, a nibble (byte j: column j
+    low, j + 16 high) or a byte each. Bytes are moved, never converted, so the values
+    are the GGUF's own; zero-padded columns (scale 0) are zeros."""
+    _, block_bytes, has_min = GGML_TYPES[ggml_type]
+    out = raw.shape[0]
+    groups = raw.shape[1] // block_bytes
+    blocks = -(-out // block)
+    padded = torch.zeros(blocks * block, groups, block_bytes, dtype=torch.uint8)
+    padded[:out] = raw.reshape(out, groups, block_bytes)
+    cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
+    head = 4 if has_min else 2
+    parts = [cols[..., 0:2].reshape(blocks, groups, 2 * block)]
+    if has_min:
+        parts.append(cols[..., 2:4].reshape(blocks, groups, 2 * block))
+    qs = cols[..., head:]  # [b, g, col, bytes]
+    if ggml_type == 8:  # int8 per weight: [b, g, feature, col]
+        parts.append(qs.transpose(2, 3).reshape(blocks, groups, GROUP * block))
+    else:  # ggml: byte j holds weight j (low nibble) and j + 16 (high)
+        q = torch.cat([qs & 15, qs >> 4], dim=3).transpose(2, 3)  # [b, g, feature, col]
+        half = block // 2
+        nib = q[..., :half] | (q[..., half:] << 4)
+        parts.append(nib.reshape(blocks, groups, GROUP * half))
+    return torch.cat(parts, dim=2).contiguous()
+
+
+def unpack_gguf_columns(
+    packed: torch.Tensor, ggml_type: int, cols: torch.Tensor, block: int = 32
+) -> torch.Tensor:
+    """The dequantized weights of output columns `cols` of pack_gguf's layout, float32
+    [len(cols), in]: ggml's own arithmetic (q * d, (q - 8) * d, q * d + m in float32),
+    so the GGUF's dequantized values bit for bit (an embedding lookup reads the tied
+    head's blocks through this)."""
+    _, _, has_min = GGML_TYPES[ggml_type]
+    n, groups = cols.numel(), packed.shape[1]
+    at = torch.arange(n)
+    g = packed[cols // block]  # [n, groups, bytes]
+    c = cols % block
+
+    def halves(off: int) -> torch.Tensor:  # float16 per (col, group) -> [n, groups, 1]
+        h = g[:, :, off : off + 2 * block].contiguous().view(torch.float16)
+        return h.view(n, groups, block)[at, :, c].float().unsqueeze(-1)
+
+    d = halves(0)
+    qoff = 4 * block if has_min else 2 * block
+    if ggml_type == 8:
+        q = g[:, :, qoff:].contiguous().view(torch.int8).view(n, groups, GROUP, block)[at, :, :, c]
+        w = q.float() * d
+    else:
+        half = block // 2
+        b = g[:, :, qoff:].reshape(n, groups, GROUP, half)[at, :, :, c % half]
+        q = torch.where((c >= half).view(n, 1, 1), b >> 4, b & 15).to(torch.int16)
+        w = (q - 8).float() * d if ggml_type == 2 else q.float() * d + halves(2 * block)
+    return w.reshape(n, groups * GROUP)
+
+
+class QuantLinear(_KernelLinear):
+    """y = x W^T (+ b) with W a GGUF tensor's quantized blocks as stored (Q4_0, Q4_1,
+    Q8_0), dequantized in registers by the packed kernel: the same FMA chains as
+    PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
+    (Q4_1) to a quarter (Q8_0) of fp32's bytes. `raw`: uint8 [out, in / 32 * block
+    bytes] in GGUF row order; `isa` as PackedLinear's."""
+
+    def __init__(
+        self,
+        raw: torch.Tensor,
+        ggml_type: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        isa: str | None = None,
+    ) -> None:
+        super().__init__()
+        lib = kernel(isa)
+        block = lib.adaserve_skinny_block()
+        if ggml_type not in GGML_TYPES or in_features % GROUP:
+            raise ValueError(f"ggml type {ggml_type} with {in_features} input features")
+        self.ggml_type = ggml_type
+        self.in_features, self.out_features = in_features, raw.shape[0]
+        self.packed = pack_gguf(raw, ggml_type, block)
+        assert self.packed.shape[2] == lib.adaserve_quant_group_bytes(ggml_type)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._call = lib.adaserve_quant_linear
+        self._extra = ggml_type
+        self._w = self.packed.data_ptr()
+        self._b = None if self.bias is None else self.bias.data_ptr()
+
+    @property
+    def format(self) -> str:
+        return GGML_TYPES[self.ggml_type][0]
+
+    def columns(self, cols: torch.Tensor) -> torch.Tensor:
+        """Dequantized weights of output features `cols`, float32 [len(cols), in]."""
+        return unpack_gguf_columns(self.packed, self.ggml_type, cols)
+
+
+class QuantEmbedding(nn.Module):
+    """The input embedding read from a tied LM head's quantized blocks (the gathered
+    rows dequantized, bit for bit the GGUF's values), so one copy stays in memory."""
+
+    def __init__(self, head: QuantLinear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.columns(ids.reshape(-1)).view(*ids.shape, self.head.in_features)
 
 
 class PackedEmbedding(nn.Module):

@@ -30,7 +30,7 @@ from adaserve.model.layers import (
 from adaserve.model.weights import WeightSource
 
 if TYPE_CHECKING:  # cpu_gemm imports this module
-    from adaserve.model.cpu_gemm import PackedEmbedding
+    from adaserve.model.cpu_gemm import PackedEmbedding, QuantEmbedding
 
 
 class Attention(nn.Module):
@@ -127,9 +127,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        # The packed CPU kernel swaps a tied embedding for a PackedEmbedding after loading.
-        self.embed: VocabParallelEmbedding | PackedEmbedding = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, tp, dtype, device
+        # The packed CPU kernel swaps a tied embedding for a PackedEmbedding after
+        # loading, or a QuantEmbedding over a GGUF's stored blocks (stored.py).
+        self.embed: VocabParallelEmbedding | PackedEmbedding | QuantEmbedding = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, tp, dtype, device) for i in range(cfg.num_layers)

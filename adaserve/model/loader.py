@@ -23,6 +23,7 @@ from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.layers import TPGroup
 from adaserve.model.llama import LlamaModel
 from adaserve.model.runner import ModelRunner
+from adaserve.model.stored import gguf_source, resolve_quantization, serve_stored
 from adaserve.model.weights import WeightSource, load_state
 
 if TYPE_CHECKING:
@@ -136,14 +137,21 @@ def load_runner(
     prefix_caching: bool = True,
 ) -> ModelRunner | TPRunner:
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
-    and returns a TPRunner with the same interface. `quantization` "int8" is for a CPU
-    drafter only (adaserve/model/quantize.py); `cpu_kernel` "auto" runs a one-rank fp32
+    and returns a TPRunner with the same interface. `quantization`: "none", "int8"
+    (weight-only per output feature on the CPU: adaserve/model/quantize.py), "stored"
+    (a GGUF model's quantized blocks as stored: adaserve/model/stored.py) or "auto"
+    (stored where it runs, else none); `cpu_kernel` "auto" runs a one-rank fp32
     CPU model's linear layers on the packed kernel where it builds, and its RMSNorms
     and small-batch attention on the ops built with it, "mkl" on MKL and torch
     (adaserve/model/cpu_gemm.py, cpu_ops.py)."""
     # Before anything loads or converts: a backend that cannot run here fails at once.
     resolve_backend(attention_backend, resolve_device(device))
     path = resolve_model(spec, role)
+    dev = resolve_device(device)
+    # `stored` that cannot run here fails before any worker starts.
+    quantization = resolve_quantization(
+        quantization, path, dev, resolve_dtype(dtype, dev), tp, cpu_kernel
+    )
     kwargs: dict[str, Any] = dict(
         kv_block_size=kv_block_size,
         kv_blocks=kv_blocks,
@@ -160,7 +168,6 @@ def load_runner(
         from adaserve.model.tp import TPRunner
 
         return TPRunner.launch(path, tp, str(device), str(dtype), kwargs)
-    dev = resolve_device(device)
     return build_runner(path, dev, resolve_dtype(dtype, dev), TPGroup(), **kwargs)
 
 
@@ -198,14 +205,18 @@ def build_runner(
     with src:
         model.load_weights(src)
     model.eval()
-    if quantization == "int8" and device.type == "cpu":
+    quantization = resolve_quantization(quantization, path, device, dtype, tp.size, cpu_kernel)
+    formats: dict[str, int] = {}
+    if quantization == "stored":
+        source = gguf_source(path)
+        assert source is not None  # resolve_quantization checked
+        formats = dict(serve_stored(model, source))
+    elif quantization == "int8" and device.type == "cpu":
         from adaserve.model.quantize import quantize_int8
 
         quantize_int8(model, cpu_kernel)
     elif quantization == "int8":  # one settings file serves a laptop and a GPU box alike
         log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
-    elif quantization != "none":
-        raise ValueError(f"unknown quantization {quantization!r} (none | int8)")
     heads = cfg.num_heads // tp.size
     backend = None
     if device.type == "cpu" and dtype == torch.float32 and tp.size == 1:
@@ -241,6 +252,8 @@ def build_runner(
     )
     runner = ModelRunner(model, cfg, cache, backend, device, dtype, max_len)
     runner.draft_to_target = None if d2t is None else d2t.to(device)
+    runner.quantization = quantization
+    runner.weight_formats = formats
     return runner
 
 

@@ -78,6 +78,10 @@ class ModelRunner:
         self.vocab_size = config.vocab_size  # input ids; logits have lm_head rows
         # int64 [V_draft]: target id of each logit column for a reduced-vocab drafter
         self.draft_to_target: torch.Tensor | None = None
+        # What its weights run as (model.quantization, decided: none | int8 | stored),
+        # and with stored the count of linear layers per GGUF format.
+        self.quantization = "none"
+        self.weight_formats: dict[str, int] = {}
 
     # -- sequence lifecycle ------------------------------------------------------------
 

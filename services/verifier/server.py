@@ -256,6 +256,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             speculation_methods=list(info.speculation_methods),
             tool_call_format=tool_call_format(self.tokenizer) if self.tokenizer else "",
             baseline=_baseline_pb(info.baseline),
+            quantization=info.quantization,
         )
 
     async def Stats(

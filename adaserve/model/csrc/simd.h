@@ -14,6 +14,9 @@ using vmask = __mmask16;
 constexpr int kLanes = 16;
 constexpr int kRows = 8;
 constexpr int kMaxBlocksPerTile = 2;
+// Quantized weights for more rows than this are dequantized once per block into a
+// scratch (skinny_gemm.cpp): 64 rows take 0.87x the time; 9-16 rows gain nothing.
+constexpr int kScratchRows = 2 * kRows;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -24,13 +27,25 @@ inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+// 16 int8 values -> 16 / kLanes float vectors (exact); kLanes float16 -> float.
+inline void vcvt_i8x16(__m128i b, vec* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+inline vec vload_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+// 16 bytes of two nibbles each -> 32 floats: out[0] the low nibbles, out[1] the high
+// ones (widened to int32 first, so the high nibble is one shift, no mask).
+inline void vcvt_nibbles(const uint8_t* p, vec* out) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+}
 inline vmask vmask_first(int64_t n) {
   return n >= 16 ? (vmask)0xFFFF : n <= 0 ? (vmask)0 : (vmask)((1u << n) - 1);
 }
 inline bool vmask_any(vmask m) { return m != 0; }
 inline vec vload_masked(vmask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore_masked(float* p, vmask m, vec v) { _mm512_mask_storeu_ps(p, m, v); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // 16 ymm registers: a tile of 5 rows x 4 vectors (one block) spills some accumulators
 // to L1, yet on Zen 3 a forward's linear layers for 5 rows cost ~1.1x one row with it,
 // against ~1.4x with 2 rows (no spill, but a third pass over each block).
@@ -39,6 +54,8 @@ using vmask = __m256i;
 constexpr int kLanes = 8;
 constexpr int kRows = 5;
 constexpr int kMaxBlocksPerTile = 1;
+// As for AVX-512: with the scratch from 6 rows on, 6-16 rows took 1.1-1.3x longer.
+constexpr int kScratchRows = 2 * kRows;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -49,6 +66,22 @@ inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+inline void vcvt_i8x16(__m128i b, vec* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+inline vec vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }  // F16C
+// 16 bytes of two nibbles each -> 32 floats: out[0..1] the low nibbles (bytes 0-7,
+// 8-15), out[2..3] the high ones.
+inline void vcvt_nibbles(const uint8_t* p, vec* out) {
+  const __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(d0, m));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(d1, m));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d0, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d1, 4));
+}
 inline vmask vmask_first(int64_t n) {
   const int c = n >= 8 ? 8 : n <= 0 ? 0 : (int)n;
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -57,7 +90,7 @@ inline bool vmask_any(vmask m) { return !_mm256_testz_si256(m, m); }
 inline vec vload_masked(vmask m, const float* p) { return _mm256_maskload_ps(p, m); }
 inline void vstore_masked(float* p, vmask m, vec v) { _mm256_maskstore_ps(p, m, v); }
 #else
-#error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma"
+#error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma -mf16c"
 #endif
 
 // Horizontal sum, always in the same order (a fixed tree over the lanes).

@@ -296,7 +296,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids", "slo_floor_ms", "slo_class_ttft_ms", "speculation_methods", "tool_call_format", "baseline")
+    __slots__ = ("served_model_name", "max_model_len", "baseline_tpot_ms", "slo_classes", "default_slo_class", "tp", "speculative", "vocab_size", "eos_token_ids", "slo_floor_ms", "slo_class_ttft_ms", "speculation_methods", "tool_call_format", "quantization", "baseline")
     class SloClassesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,7 @@ class InfoResponse(_message.Message):
     SLO_CLASS_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_METHODS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     BASELINE_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
@@ -338,8 +339,9 @@ class InfoResponse(_message.Message):
     slo_class_ttft_ms: _containers.ScalarMap[str, float]
     speculation_methods: _containers.RepeatedScalarFieldContainer[str]
     tool_call_format: str
+    quantization: str
     baseline: BaselineInfo
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., slo_floor_ms: _Optional[float] = ..., slo_class_ttft_ms: _Optional[_Mapping[str, float]] = ..., speculation_methods: _Optional[_Iterable[str]] = ..., tool_call_format: _Optional[str] = ..., baseline: _Optional[_Union[BaselineInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., baseline_tpot_ms: _Optional[float] = ..., slo_classes: _Optional[_Mapping[str, float]] = ..., default_slo_class: _Optional[str] = ..., tp: _Optional[int] = ..., speculative: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., slo_floor_ms: _Optional[float] = ..., slo_class_ttft_ms: _Optional[_Mapping[str, float]] = ..., speculation_methods: _Optional[_Iterable[str]] = ..., tool_call_format: _Optional[str] = ..., quantization: _Optional[str] = ..., baseline: _Optional[_Union[BaselineInfo, _Mapping]] = ...) -> None: ...
 
 class BaselineInfo(_message.Message):
     __slots__ = ("source", "measured_at", "load_1m", "cores", "settled", "recalibrations")

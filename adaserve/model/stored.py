@@ -1,0 +1,164 @@
+"""A GGUF target's weights at their stored precision on the CPU (`model.quantization:
+stored`).
+
+A GGUF file is converted once into a float32 Hugging Face directory (embedded.py), so
+the `none` path streams ~4 bytes per weight each step: ~540 MB for the embedded Q4_1
+SmolLM2, where llama.cpp reads ~85 MB. Here every linear layer whose GGUF tensor is
+Q4_0, Q4_1 or Q8_0 is swapped for a QuantLinear over the file's own blocks (cpu_gemm.py;
+dequantized in registers, never kept in float32), and a tied embedding reads the LM
+head's blocks. Dequantization is exact, and the kernel runs the fp32 kernel's FMA
+chains, so a `stored` model computes the same logits as the `none` one on the packed
+kernel, bit for bit, from a sixth of the bytes: speculation stays lossless for the same
+reason (a row's result never depends on the rows beside it).
+
+Other tensor types (F16, K-quants, ...) keep their layer in float32 on the packed
+kernel, logged. Tensor parallelism is refused: a rank would need its slice of the
+quantized blocks (column slices are whole rows of blocks, row slices cut features in
+multiples of 32), which is not done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaserve.model.cpu_gemm import (
+    GGML_TYPES,
+    QuantEmbedding,
+    QuantLinear,
+    packed_kernel_available,
+)
+from adaserve.model.embedded import MARKER
+from adaserve.model.layers import VocabParallelEmbedding
+from adaserve.model.llama import DecoderLayer, LlamaModel
+
+# model.quantization for a target: `auto` is `stored` for a GGUF target where it runs
+# (one-rank float32 CPU model, packed kernel built), else `none`.
+TARGET_QUANTIZATIONS = ("auto", "none", "stored", "int8")
+
+log = logging.getLogger("adaserve.model")
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file a converted directory was made from (embedded.py's marker), or
+    None for a plain Hugging Face directory."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return None
+    source = Path(json.loads(marker.read_text())["source"])
+    return source if source.is_file() else None
+
+
+def resolve_quantization(
+    quantization: str,
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: int,
+    cpu_kernel: str,
+) -> str:
+    """`quantization` with `auto` decided, for a model in `path`; ValueError where
+    `stored` is asked for and cannot run (the message says why)."""
+    if quantization not in TARGET_QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r} ({' | '.join(TARGET_QUANTIZATIONS)})"
+        )
+    if quantization not in ("auto", "stored"):
+        return quantization
+    why = None
+    if gguf_source(path) is None:
+        why = "the model is not a GGUF file (a Hugging Face directory: use none or int8)"
+    elif tp > 1:
+        why = "tensor parallelism does not shard quantized blocks (use none with tp > 1)"
+    elif device.type != "cpu" or dtype != torch.float32:
+        why = f"it runs on the CPU in float32, not on {device} in {dtype}"
+    elif not packed_kernel_available(cpu_kernel):
+        why = "it needs the packed CPU kernel (model.cpu_kernel auto, g++, AVX2 or AVX-512)"
+    if why is None:
+        return "stored"
+    if quantization == "stored":
+        raise ValueError(f"model.quantization stored: {why}")
+    return "none"
+
+
+def _raw(tensor) -> torch.Tensor:
+    """A GGUF tensor's bytes, uint8 [rows, bytes per row], copied out of the file map."""
+    rows = int(np.prod(tensor.shape[1:]))
+    return torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+
+
+def _check(layer: QuantLinear, weight_t: torch.Tensor, what: str) -> None:
+    """A few columns of `layer` against the float32 weights [in, out] loaded from the
+    conversion, bit for bit: another row order than llama.cpp's Llama converter writes
+    (or a wrong tensor) fails the load instead of serving wrong logits."""
+    cols = torch.tensor(sorted({0, layer.out_features // 2, layer.out_features - 1}))
+    if not torch.equal(layer.columns(cols), weight_t[:, cols].t()):
+        raise ValueError(f"{what} do not hold the weights loaded from the conversion")
+
+
+def serve_stored(model: LlamaModel, gguf: Path, isa: str | None = None) -> Counter[str]:
+    """Swap each linear layer of a one-rank CPU model loaded from `gguf`'s conversion
+    for a QuantLinear over the file's blocks, in place, and a tied (or any quantized)
+    embedding for a lookup into them. Returns how many layers per format ("F32" for
+    those left in float32). Each swapped layer is checked against its loaded float32
+    weights on a few columns, bit for bit: a mismatch (another tensor layout than
+    llama.cpp's Llama converter writes) fails the load."""
+    import gguf as gguf_lib
+
+    if model.tp.size > 1:
+        raise ValueError("model.quantization stored: one rank only (tp 1)")
+    reader = gguf_lib.GGUFReader(gguf)
+    tensors = {t.name: t for t in reader.tensors}
+    formats: Counter[str] = Counter()
+
+    def swap(parent: torch.nn.Module, attr: str, names: list[str]) -> QuantLinear | None:
+        child = getattr(parent, attr)
+        found = [tensors.get(n) for n in names]
+        types = {None if t is None else int(t.tensor_type) for t in found}
+        if len(types) != 1 or (kind := types.pop()) not in GGML_TYPES:
+            what = ", ".join(
+                f"{n} {t.tensor_type.name if t else 'missing'}"
+                for n, t in zip(names, found, strict=True)
+            )
+            log.info("stored weights: %s stays float32 (%s)", attr, what)
+            formats["F32"] += 1
+            return None
+        raw = torch.cat([_raw(t) for t in found if t is not None])
+        weight = child.weight_t  # [in, out] float32, as loaded from the conversion
+        layer = QuantLinear(raw, kind, weight.shape[0], getattr(child, "bias", None), isa=isa)
+        _check(layer, weight, f"{gguf.name}: {names}")
+        setattr(parent, attr, layer)
+        formats[layer.format] += 1
+        return layer
+
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        b = f"blk.{i}."
+        # llama.cpp's converter stores q/k rows in the adjacent-pairs RoPE layout the
+        # loader permutes Hugging Face's into (layers.Rotary): the same rows, as checked.
+        swap(layer.attn, "qkv", [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"])
+        swap(layer.attn, "o_proj", [b + "attn_output.weight"])
+        swap(layer.mlp, "gate_up", [b + "ffn_gate.weight", b + "ffn_up.weight"])
+        swap(layer.mlp, "down", [b + "ffn_down.weight"])
+    embed = model.embed
+    assert isinstance(embed, VocabParallelEmbedding)
+    tied = model.lm_head.weight_t is embed.weight_t
+    head = swap(model, "lm_head", ["token_embd.weight" if tied else "output.weight"])
+    if tied and head is not None:
+        model.embed = QuantEmbedding(head)
+    elif not tied and (t := tensors.get("token_embd.weight")) and int(t.tensor_type) in GGML_TYPES:
+        # An untied embedding is a lookup table only: its blocks, gathered per token.
+        table = QuantLinear(_raw(t), int(t.tensor_type), embed.weight_t.shape[0], isa=isa)
+        _check(table, embed.weight_t, f"{gguf.name}: token_embd.weight")
+        model.embed = QuantEmbedding(table)
+    log.info(
+        "stored weights from %s: %s linear layers (dequantized in registers, packed CPU kernel)",
+        gguf.name,
+        ", ".join(f"{n} {f}" for f, n in sorted(formats.items())),
+    )
+    return formats

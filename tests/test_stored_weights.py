@@ -1,0 +1,250 @@
+"""A GGUF target served at its stored precision (`model.quantization: stored`,
+adaserve/model/stored.py, QuantLinear in cpu_gemm.py), on the real embedded SmolLM2
+file (Q4_1 layers, a Q8_0 tied embedding) and on Q4_0 blocks quantized by the `gguf`
+package: the kernel's products are within float32 accumulation error of a float64
+matmul of the `gguf` package's own dequantization, a row's result is the same bits
+whatever rows are beside it and on either build, the model's logits are those of the
+float32 (`none`) model, and speculation on it emits the stored target's own greedy
+tokens and its own seeded samples. The AVX-512 and AVX2 builds are each checked where
+the CPU runs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from adaserve.config import load_settings
+from adaserve.engine import Engine
+from adaserve.model import cpu_gemm
+from adaserve.model.cpu_gemm import QuantEmbedding, QuantLinear
+from adaserve.model.embedded import embedded_gguf
+from adaserve.model.loader import load_runner, load_tokenizer
+from adaserve.model.stored import gguf_source, resolve_quantization
+from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.sampling import TokenRng
+from adaserve.scheduler import LocalScheduler
+from adaserve.speculate import BeamDrafter
+from adaserve.target import RunnerTarget
+from tests._spec_loop import generate, random_budget
+from tests._stats import single_thread
+from tests.test_cpu_gemm import ISAS, RUNNABLE, _logits, needs_kernel
+from tests.test_engine import run_to_completion
+
+pytestmark = needs_kernel
+ROWS = [1, 3, 5, 8, 16, 37]
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors() -> dict[str, tuple[torch.Tensor, int, np.ndarray]]:
+    """name -> (raw blocks uint8 [out, bytes], ggml type, float32 [out, in] from the
+    gguf package's dequantize): three real tensors (the token embedding cut to 2000
+    rows) and a Q4_0 one quantized here (the file holds none)."""
+    reader = GGUFReader(embedded_gguf())
+    found = {t.name: t for t in reader.tensors}
+    out = {}
+    for name, rows in [
+        ("blk.0.attn_q.weight", None),
+        ("blk.7.ffn_down.weight", None),
+        ("token_embd.weight", 2000),
+    ]:
+        t = found[name]
+        raw = np.array(t.data[:rows], dtype=np.uint8)
+        w = dequantize(raw, t.tensor_type).astype(np.float32).reshape(raw.shape[0], -1)
+        out[name] = (torch.from_numpy(raw), int(t.tensor_type), w)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((77, 160)).astype(np.float32)  # 77: a padded column block
+    raw = quantize(w, GGMLQuantizationType.Q4_0)
+    deq = dequantize(raw, GGMLQuantizationType.Q4_0).astype(np.float32)
+    out["q4_0"] = (torch.from_numpy(raw), int(GGMLQuantizationType.Q4_0), deq)
+    return out
+
+
+def test_the_file_holds_what_the_kernel_serves(gguf_tensors):
+    types = {name: cpu_gemm.GGML_TYPES[t][0] for name, (_, t, _) in gguf_tensors.items()}
+    assert types == {
+        "blk.0.attn_q.weight": "Q4_1",
+        "blk.7.ffn_down.weight": "Q4_1",
+        "token_embd.weight": "Q8_0",
+        "q4_0": "Q4_0",
+    }
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0"]
+)
+def test_products_match_a_float64_matmul_of_the_dequantized_weights(gguf_tensors, name, isa):
+    """Dequantization is exact, so the only error is float32 accumulation: per output
+    at most ~K * eps * sum_k |x_k w_k| (K sequential FMAs, each rounding at most eps
+    relative to the running magnitude, which sum |x w| bounds)."""
+    raw, kind, w = gguf_tensors[name]
+    k = w.shape[1]
+    layer = QuantLinear(raw, kind, k, isa=isa)
+    w64 = torch.from_numpy(w).double()
+    eps = torch.finfo(torch.float32).eps
+    g = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        y = layer(x)
+        ref = x.double() @ w64.t()
+        bound = k * eps * (x.double().abs() @ w64.abs().t())
+        assert y.shape == (rows, w.shape[0]) and y.dtype == torch.float32
+        assert ((y.double() - ref).abs() <= bound).all(), (name, rows)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["blk.7.ffn_down.weight", "token_embd.weight", "q4_0"])
+def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it(gguf_tensors, name, isa):
+    """The lossless argument: a tree node's logits are a plain decode step's."""
+    raw, kind, w = gguf_tensors[name]
+    layer = QuantLinear(raw, kind, w.shape[1], isa=isa)
+    x = torch.randn(37, w.shape[1], generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(37)])
+    for m in [*range(2, 17), 37]:
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+    # ...and the fp32 kernel over the dequantized weights runs the same FMA chains.
+    dense = cpu_gemm.PackedLinear(torch.from_numpy(w).t().contiguous(), None, isa=isa)
+    assert torch.equal(dense(x), alone)
+
+
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason="needs a CPU that runs both builds (AVX-512)")
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0"])
+def test_the_avx512_and_avx2_builds_give_the_same_bits(gguf_tensors, name):
+    raw, kind, w = gguf_tensors[name]
+    b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(1))
+    x = torch.randn(13, w.shape[1], generator=torch.Generator().manual_seed(2))
+    wide = QuantLinear(raw, kind, w.shape[1], b, isa="avx512")(x)
+    assert torch.equal(wide, QuantLinear(raw, kind, w.shape[1], b, isa="avx2")(x))
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0"])
+def test_columns_and_embedding_lookups_are_the_gguf_values(gguf_tensors, name):
+    raw, kind, w = gguf_tensors[name]
+    layer = QuantLinear(raw, kind, w.shape[1])
+    assert layer.packed.nbytes < raw.nbytes * 1.01 + 32 * 64  # the blocks, not float32
+    ids = torch.tensor([[0, 5, w.shape[0] - 1], [16, 31, 32]])
+    got = QuantEmbedding(layer)(ids)
+    assert torch.equal(got, torch.from_numpy(w)[ids])
+
+
+@pytest.fixture(scope="module")
+def stored():
+    with single_thread():
+        yield load_runner("embedded", device="cpu", kv_blocks=128, quantization="stored")
+
+
+PROMPT = [1, 504, 3458, 282, 1167, 314, 253, 1123, 30, 2, 9, 47]
+
+
+def test_the_stored_model_keeps_no_float32_weights_and_its_logits_are_the_none_models(stored):
+    """Every linear layer on the file's blocks (Q4_1) and the tied embedding / LM head
+    on its Q8_0 ones, ~100 MB where float32 was ~540 MB; and since dequantization is
+    exact and the FMA chains are the fp32 kernel's, the logits of the float32 model
+    (checked against Hugging Face in test_lossless_smollm2) bit for bit."""
+    model = stored.model
+    assert stored.quantization == "stored"
+    assert stored.weight_formats == {"Q4_1": 120, "Q8_0": 1}
+    assert isinstance(model.embed, QuantEmbedding) and model.embed.head is model.lm_head
+    weights = sum(m.packed.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    params = sum(p.nbytes for p in model.parameters())  # the norms alone remain
+    assert 90e6 < weights < 110e6 and params < 1e6
+    with single_thread():
+        reference = load_runner("embedded", device="cpu", kv_blocks=128, quantization="none")
+        assert reference.quantization == "none"
+        assert torch.equal(_logits(stored, PROMPT), _logits(reference, PROMPT))
+
+
+def test_settings_resolve_and_refuse(tiny_llama_dir):
+    assert gguf_source(_dir()) == embedded_gguf().resolve()
+    assert gguf_source(tiny_llama_dir) is None
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_quantization("auto", _dir(), cpu, f32, 1, "auto") == "stored"
+    assert resolve_quantization("auto", _dir(), cpu, f32, 1, "mkl") == "none"
+    assert resolve_quantization("auto", _dir(), cpu, f32, 2, "auto") == "none"
+    assert resolve_quantization("auto", tiny_llama_dir, cpu, f32, 1, "auto") == "none"
+    assert resolve_quantization("int8", tiny_llama_dir, cpu, f32, 1, "auto") == "int8"
+    with pytest.raises(ValueError, match="not a GGUF"):
+        resolve_quantization("stored", tiny_llama_dir, cpu, f32, 1, "auto")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        resolve_quantization("stored", _dir(), cpu, f32, 2, "auto")
+    with pytest.raises(ValueError, match="float32"):
+        resolve_quantization("stored", _dir(), cpu, torch.bfloat16, 1, "auto")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        resolve_quantization("int4", _dir(), cpu, f32, 1, "auto")
+    assert load_settings(None).model.quantization == "auto"
+
+
+def test_the_choice_is_logged_and_exported(stored, caplog):
+    from adaserve import metrics
+    from adaserve.engine_build import report_quantization
+
+    with caplog.at_level("INFO"):
+        assert report_quantization("target", stored) == "stored"
+    assert "target weights: stored (120 Q4_1, 1 Q8_0 layers)" in caplog.text
+    gauge = metrics.model_quantization.labels(role="target", quantization="stored")
+    assert gauge._value.get() == 1.0
+
+
+def _dir() -> Path:
+    from adaserve.model.loader import resolve_model
+
+    return resolve_model("embedded")
+
+
+MAX_TOKENS = 20
+
+
+@pytest.mark.slow
+def test_speculation_on_the_stored_target_is_lossless(stored):
+    """Through the engine under the CPU config (shipped int8 drafter), one request and
+    three: the stored target's own plain greedy tokens; and seeded samples with and
+    without speculation are the same tokens."""
+    tok = load_tokenizer("embedded")
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]
+    prompts = {f"p{k}": tok(t)["input_ids"] for k, t in enumerate(texts)}
+    config = Path(__file__).parents[1] / "configs" / "embedded-cpu.yaml"
+    settings = load_settings(config, slo={"baseline_tpot_ms": 50.0})
+    with single_thread():
+        ref, _ = generate(stored, prompts, MAX_TOKENS)
+        draft = load_runner(
+            "embedded", device="cpu", role="drafter", kv_blocks=128, quantization="int8"
+        )
+        engine = Engine(
+            RunnerTarget(stored, eos_token_ids=()),
+            BeamDrafter(draft),
+            LocalScheduler(settings.scheduler),
+            settings,
+        )
+        for batch in (["p1"], ["p0", "p1", "p2"]):
+            streams = [
+                engine.submit(
+                    GenerationRequest(
+                        k,
+                        tuple(prompts[k]),
+                        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                        tpot_slo_ms=[40.0, 100.0, 400.0][i],
+                    )
+                )
+                for i, k in enumerate(batch)
+            ]
+            assert run_to_completion(engine, streams)["tokens"] == {k: ref[k] for k in batch}
+
+        sps = {
+            "p0": SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_TOKENS),
+            "p1": SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=MAX_TOKENS),
+            "p2": SamplingParams(max_tokens=MAX_TOKENS),  # greedy beside sampled ones
+        }
+
+        def run(**kw):
+            rngs = {i: TokenRng(sp.seed) for i, sp in sps.items() if sp.seed is not None}
+            return generate(stored, prompts, MAX_TOKENS, sp=sps, rngs=rngs, **kw)
+
+        plain, _ = run()
+        spec, stats = run(drafter=BeamDrafter(draft), depth=3, width=2, budget=random_budget)
+        assert spec == plain and sum(stats.accepted) > 0
+        assert stored.kv_usage() == 0.0 and draft.kv_usage() == 0.0
