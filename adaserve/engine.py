@@ -1437,8 +1437,8 @@ class Engine:
         fresh = slo_floor(self.tspec.predict_ms(1), self.settings.scheduler.budget, a, depth_max)
         held = self._floor
         if held is None or abs(fresh.tpot_ms - held.tpot_ms) > FLOOR_HYSTERESIS * held.tpot_ms:
-            # 0.1 ms: the precision every report prints, so they print the same number.
-            self._floor = held = replace(fresh, tpot_ms=round(fresh.tpot_ms, 1))
+            # 0.001 ms: the precision every report prints, so they print the same number.
+            self._floor = held = replace(fresh, tpot_ms=round(fresh.tpot_ms, 3))
         return held
 
     def _recalibrate(self) -> None:
