@@ -1186,14 +1186,29 @@ class Engine:
             stops.update(self.target.eos_token_ids)
         finish: str | None = None
         kept: list[int] = []
+        text = ""
+        stopped = False  # a stop string ended it: its held-back tail is never released
         for tok in emitted:
             kept.append(tok)
+            if r.detok is not None:
+                # One token at a time, as plain decoding feeds it: a speculative step
+                # accepts several tokens at once, and the output must end exactly where
+                # plain decoding would have stopped on a stop string (token ids, usage,
+                # logprobs), including one that spans token boundaries. eos/stop ids
+                # are special tokens: skip_special_tokens keeps them out of the text.
+                piece, hit_stop = r.detok.add([tok])
+                text += piece
+                if hit_stop:
+                    finish, stopped = "stop", True
+                    break
             if tok in stops:
                 finish = "stop"
                 break
             if r.num_generated + len(kept) >= sp.max_tokens:
                 finish = "length"
                 break
+        if finish is not None and r.detok is not None and not stopped:
+            text += r.detok.flush()
         r.tokens.extend(kept)
         if r.constraint is not None and not r.constraint.advance(kept):
             self._finish(r, "error", error="structured output: the grammar refused a token")
@@ -1203,14 +1218,6 @@ class Engine:
             r.first_token_t = now
         if kept:
             r.last_token_t = now
-        text = ""
-        if r.detok is not None:
-            # eos/stop ids are special tokens: skip_special_tokens keeps them out of text.
-            text, hit_stop = r.detok.add(kept)
-            if hit_stop:
-                finish = "stop"
-            elif finish is not None:
-                text += r.detok.flush()
         if len(r.tokens) + 1 >= self.max_model_len and finish is None:
             finish = "length"
             if r.detok is not None:
