@@ -1335,17 +1335,16 @@ class Engine:
                 self._finish(r, "error", error=str(exc))
 
     def _admit(self) -> None:
-        """Admit in (priority, arrival) order while a running slot and free KV blocks
-        above the watermark remain. Nothing is reserved ahead: a request holds blocks
+        """Admit in (priority, due time) order (`_admission_order`) while a running slot
+        and free KV blocks above the watermark remain. Nothing is reserved ahead: a request holds blocks
         for what it has committed plus its current scratch, taken as it grows (and
         freed by preemption when they run out), so no request's size blocks another's
         admission. The prompt's longest cached prefix is taken from the prefix cache
         here; admitted requests are prefilled in chunks by the next iterations."""
         if not self._waiting:
             return
-        # vLLM-style priority: lower value first, then arrival order (a preempted request
-        # keeps its arrival, so it goes back in front of later ones).
-        self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
+        now = self.clock()
+        self._waiting.sort(key=lambda r: self._admission_order(r, now))
         watermark = math.ceil(self.settings.engine.kv_watermark * self.target.num_blocks)
         # n > 1: a sibling waits until the prompt it shares is prefilled, then takes
         # that KV from the prefix cache instead of computing it again.
@@ -1374,6 +1373,22 @@ class Engine:
                 metrics.prefix_cache_hits.inc(r.prefilled)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
+
+    def _admission_order(self, r: _Request, now: float) -> tuple[int, float, float, float]:
+        """The waiting queue's order, which matters when slots or KV gate admission:
+        vLLM-style priority first (lower value first), then the earliest due time, then
+        the tighter TPOT SLO, then arrival. Due is the TTFT deadline of a request that has
+        not started (the one prefill chunks are ordered by), so a tight TTFT SLO is
+        admitted ahead of relaxed ones that came first; a request without a TTFT SLO is
+        due UNSET_TTFT_ORDER_MS after its arrival, so such requests keep arrival order
+        among themselves and none waits forever (past that point no later arrival is due
+        before it). A preempted request is due when its next token falls behind its TPOT
+        SLO: a fixed instant, so it too reaches the front."""
+        due = r.ttft_deadline
+        if r.num_generated > 0:
+            elapsed, decoded = self._elapsed_decoded(r, now)
+            due = now + (r.req.tpot_slo_ms * (decoded + 1) - elapsed) / 1000.0
+        return (r.req.priority, due, r.req.tpot_slo_ms, r.arrival)
 
     def _hold_prompts(self) -> Callable[[_Request], bool] | None:
         """Policy adaserve with `scheduler.hold_prompts`, while a decoding request is
