@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 
+from adaserve.bench.fuzz import WEATHER
 from tests.differential._helpers import METHODS, post, stream_chat
 
 pytestmark = pytest.mark.slow  # one all-in-one server with the embedded pair
@@ -71,18 +72,6 @@ def test_completions_honour_response_format(server: str) -> None:
         assert isinstance(json.loads(text), dict)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
