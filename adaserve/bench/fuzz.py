@@ -478,16 +478,19 @@ class Fuzzer:
         self.timeout_s = timeout_s
         self.report = Report()
 
-    async def run(self, seconds: float, max_cases: int | None = None) -> Report:
+    async def run(
+        self, seconds: float, max_cases: int | None = None, first_case: int = 0
+    ) -> Report:
+        """Cases first_case, first_case + 1, ... until `seconds` or `max_cases` pass."""
         start = time.monotonic()
         async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s) as client:
             methods = await self._methods(client)
-            next_index = 0
+            next_index = first_case
 
             async def worker() -> None:
                 nonlocal next_index
                 while time.monotonic() - start < seconds and (
-                    max_cases is None or next_index < max_cases
+                    max_cases is None or next_index < first_case + max_cases
                 ):
                     index = next_index
                     next_index += 1
@@ -577,7 +580,10 @@ class Fuzzer:
         return current
 
 
-KEEP = {"messages", "prompt", "max_tokens"}
+# Never dropped: the prompt, and what keeps the request deterministic (without
+# `temperature` it samples at 1.0, without `seed` unseeded: the two sides then differ
+# by chance, and the shrinker would chase noise).
+KEEP = {"messages", "prompt", "max_tokens", "temperature", "seed"}
 
 
 def _reductions(case: Case) -> Iterator[Case]:
@@ -589,6 +595,9 @@ def _reductions(case: Case) -> Iterator[Case]:
     for key in list(body):
         if key not in KEEP:
             yield variant({k: v for k, v in body.items() if k != key})
+    if body.get("temperature"):  # seeded sampling -> greedy
+        drop = {"seed", "top_p", "top_k", "min_p"}
+        yield variant({**{k: v for k, v in body.items() if k not in drop}, "temperature": 0.0})
     if body["max_tokens"] > 1:
         yield variant({**body, "max_tokens": body["max_tokens"] // 2})
     if body.get("n", 1) > 1:

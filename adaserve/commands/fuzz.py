@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="cases are drawn from it")
     parser.add_argument("--max-cases", type=int, default=None, help="stop after this many")
     parser.add_argument(
+        "--case",
+        type=int,
+        default=0,
+        help="the first case to draw (with --max-cases 1: replay one case of the seed)",
+    )
+    parser.add_argument(
         "--concurrency", type=int, default=3, help="cases in flight (two requests each)"
     )
     parser.add_argument(
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     def go(url: str) -> dict:
         fuzzer = Fuzzer(url, args.seed, args.concurrency)
-        report = asyncio.run(fuzzer.run(args.seconds, args.max_cases))
+        report = asyncio.run(fuzzer.run(args.seconds, args.max_cases, args.case))
         return {"seed": args.seed, **report.summary(), "mismatch_details": report.mismatches}
 
     if args.url:

@@ -101,12 +101,28 @@ def test_streamed_chunks_normalise_like_the_whole_response() -> None:
     c = whole["choices"][0]
     entry = c["logprobs"]["content"][0]
     events = [
-        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "H"},
-                      "logprobs": {"content": [entry]}, "finish_reason": None}]},
-        {"choices": [{"index": 0, "delta": {"content": "i."}, "logprobs": {"content": [entry]},
-                      "finish_reason": "stop"}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": "H"},
+                    "logprobs": {"content": [entry]},
+                    "finish_reason": None,
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "i."},
+                    "logprobs": {"content": [entry]},
+                    "finish_reason": "stop",
+                }
+            ]
+        },
         {"choices": [], "usage": whole["usage"]},
-    ]  # fmt: skip
+    ]
     assert normalise(200, None, events) == normalise(200, whole, None)
     bad = normalise(400, {"error": {"type": "invalid_request_error", "param": "n"}}, None)
     assert compare(bad, bad)[0] == [] and compare(bad, normalise(200, whole, None))[0]
@@ -133,3 +149,15 @@ def test_shrinking_drops_fields_and_halves() -> None:
     assert any(b.get("stop") == ["."] for b in bodies)
     assert any(len(b["messages"]) == 1 for b in bodies)
     assert all("messages" in b and "max_tokens" in b for b in bodies)
+    # Sampling stays seeded (dropping the seed or temperature makes the two sides
+    # differ by chance: the first shrinker's reproducers were such noise); it may
+    # become greedy.
+    sampled = Case(
+        1,
+        "completions",
+        {"prompt": "hello", "max_tokens": 4, "temperature": 0.8, "seed": 3, "top_k": 5},
+        "auto",
+    )
+    bodies = [c.body for c in _reductions(sampled)]
+    assert all(b.get("temperature") == 0.0 or "seed" in b for b in bodies)
+    assert {"prompt": "hello", "max_tokens": 4, "temperature": 0.0} in bodies
