@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "capacity": ("adaserve.commands.capacity", "serving units a workload needs at its SLOs"),
     "bench": ("adaserve.commands.bench", "benchmarks against a running server"),
     "demo": ("adaserve.commands.demo", "drive a running server with a mixed SLO workload"),
+    "fuzz": ("adaserve.commands.fuzz", "speculative vs plain decoding on random API requests"),
 }
 
 

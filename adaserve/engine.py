@@ -1205,14 +1205,29 @@ class Engine:
             stops.update(self.target.eos_token_ids)
         finish: str | None = None
         kept: list[int] = []
+        text = ""
+        stopped = False  # a stop string ended it: its held-back tail is never released
         for tok in emitted:
             kept.append(tok)
+            if r.detok is not None:
+                # One token at a time, as plain decoding feeds it: a speculative step
+                # accepts several tokens at once, and the output must end exactly where
+                # plain decoding would have stopped on a stop string (token ids, usage,
+                # logprobs), including one that spans token boundaries. eos/stop ids
+                # are special tokens: skip_special_tokens keeps them out of the text.
+                piece, hit_stop = r.detok.add([tok])
+                text += piece
+                if hit_stop:
+                    finish, stopped = "stop", True
+                    break
             if tok in stops:
                 finish = "stop"
                 break
             if r.num_generated + len(kept) >= sp.max_tokens:
                 finish = "length"
                 break
+        if finish is not None and r.detok is not None and not stopped:
+            text += r.detok.flush()
         r.tokens.extend(kept)
         if r.constraint is not None and not r.constraint.advance(kept):
             self._finish(r, "error", error="structured output: the grammar refused a token")
@@ -1222,14 +1237,6 @@ class Engine:
             r.first_token_t = now
         if kept:
             r.last_token_t = now
-        text = ""
-        if r.detok is not None:
-            # eos/stop ids are special tokens: skip_special_tokens keeps them out of text.
-            text, hit_stop = r.detok.add(kept)
-            if hit_stop:
-                finish = "stop"
-            elif finish is not None:
-                text += r.detok.flush()
         if len(r.tokens) + 1 >= self.max_model_len and finish is None:
             finish = "length"
             if r.detok is not None:
@@ -1347,17 +1354,16 @@ class Engine:
                 self._finish(r, "error", error=str(exc))
 
     def _admit(self) -> None:
-        """Admit in (priority, arrival) order while a running slot and free KV blocks
-        above the watermark remain. Nothing is reserved ahead: a request holds blocks
+        """Admit in (priority, due time) order (`_admission_order`) while a running slot
+        and free KV blocks above the watermark remain. Nothing is reserved ahead: a request holds blocks
         for what it has committed plus its current scratch, taken as it grows (and
         freed by preemption when they run out), so no request's size blocks another's
         admission. The prompt's longest cached prefix is taken from the prefix cache
         here; admitted requests are prefilled in chunks by the next iterations."""
         if not self._waiting:
             return
-        # vLLM-style priority: lower value first, then arrival order (a preempted request
-        # keeps its arrival, so it goes back in front of later ones).
-        self._waiting.sort(key=lambda r: (r.req.priority, r.arrival))
+        now = self.clock()
+        self._waiting.sort(key=lambda r: self._admission_order(r, now))
         watermark = math.ceil(self.settings.engine.kv_watermark * self.target.num_blocks)
         # n > 1: a sibling waits until the prompt it shares is prefilled, then takes
         # that KV from the prefix cache instead of computing it again.
@@ -1386,6 +1392,22 @@ class Engine:
                 metrics.prefix_cache_hits.inc(r.prefilled)
         metrics.num_running.set(len(self._running))
         metrics.num_waiting.set(len(self._waiting))
+
+    def _admission_order(self, r: _Request, now: float) -> tuple[int, float, float, float]:
+        """The waiting queue's order, which matters when slots or KV gate admission:
+        vLLM-style priority first (lower value first), then the earliest due time, then
+        the tighter TPOT SLO, then arrival. Due is the TTFT deadline of a request that has
+        not started (the one prefill chunks are ordered by), so a tight TTFT SLO is
+        admitted ahead of relaxed ones that came first; a request without a TTFT SLO is
+        due UNSET_TTFT_ORDER_MS after its arrival, so such requests keep arrival order
+        among themselves and none waits forever (past that point no later arrival is due
+        before it). A preempted request is due when its next token falls behind its TPOT
+        SLO: a fixed instant, so it too reaches the front."""
+        due = r.ttft_deadline
+        if r.num_generated > 0:
+            elapsed, decoded = self._elapsed_decoded(r, now)
+            due = now + (r.req.tpot_slo_ms * (decoded + 1) - elapsed) / 1000.0
+        return (r.req.priority, due, r.req.tpot_slo_ms, r.arrival)
 
     def _hold_prompts(self) -> Callable[[_Request], bool] | None:
         """Policy adaserve with `scheduler.hold_prompts`, while a decoding request is

@@ -60,6 +60,8 @@ class Curve:
         budget B and grows linearly past it (B is defined as where the verify curve
         starts to rise)."""
         b = float(max(budget, 1))
+        if b == 1.0:  # the knee is the first point: (1, 1, 2) would repeat a token count
+            return Curve((1.0, 2.0), (step_ms, 2.0 * step_ms))
         return Curve((1.0, b, 2.0 * b), (step_ms, step_ms, 2.0 * step_ms))
 
 

@@ -247,6 +247,8 @@ class _Common(_Body):
     )
     guided_grammar: str | None = Field(default=None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
+    # OpenAI's on chat; vLLM honours it on /v1/completions too (the same grammar).
+    response_format: ResponseFormat | None = None
     # Known and refused when set (see _REFUSED_COMMON); typed loosely so that the
     # refusal, not a type error, is what the client reads.
     use_beam_search: Any = None
@@ -395,7 +397,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     prompt_cache_retention: str | None = Field(default=None, max_length=32)  # a hint

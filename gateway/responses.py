@@ -202,7 +202,10 @@ class Formatter:
                 "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
-                "finish_reason": "tool_calls" if calls else c.finish_reason,
+                # A cut output keeps "length": the client learns that calls may be missing.
+                "finish_reason": "tool_calls"
+                if calls and c.finish_reason != "length"
+                else c.finish_reason,
             }
             return self._envelope("chat.completion.chunk", [choice])
         choice = {
@@ -275,7 +278,7 @@ class Formatter:
                 content, calls = parse(text, self.tools, self.tool_format)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    reason = "tool_calls"
+                    reason = "length" if reason == "length" else "tool_calls"
             return {
                 "index": index,
                 "message": message,

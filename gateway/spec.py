@@ -268,7 +268,7 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> Structured |
     """The one grammar the request asks for (OpenAI's response_format, vLLM's
     guided_* fields or structured_outputs), or None."""
     found: list[Structured] = []
-    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+    if body.response_format is not None:
         rf = body.response_format
         if rf.type == "json_object":
             found.append(Structured("json_object", field="response_format"))

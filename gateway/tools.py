@@ -7,8 +7,9 @@ calls in the text a model writes, whole or streamed.
   Mistral's `[TOOL_CALLS]` array) becomes `tool_calls`, the rest stays content.
 - `required` / a named function: the output is grammar-constrained (structured output,
   so exact under speculation) to the call itself, as vLLM does: a JSON array of
-  `{"name", "parameters"}` objects (one at most without `parallel_tool_calls`), or the
-  named function's arguments object.
+  `{"name", "parameters"}` objects (exactly one without `parallel_tool_calls`), or the
+  named function's arguments object. An array cut by the length limit keeps its
+  complete calls (finish_reason stays "length").
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ def parse(text: str, tp: ToolPlan, fmt: str) -> tuple[str | None, list[dict[str,
     if tp.mode == "named":  # the output is the arguments object (maybe cut by length)
         return None, [new_call(tp.name or "", text.strip())]
     if tp.mode == "required":
-        calls = _objects(_json(text), tp)
+        value = _json(text)
+        # Cut by the length limit: the calls completed before the cut are kept (the
+        # finish reason, "length", says the output was cut), as vLLM's streamed parser
+        # does; the grammar makes every element that ended a valid call.
+        calls = _objects(value if value is not None else _complete_elements(text), tp)
         return (None, calls) if calls else (text, [])
     if tp.mode == "none":
         return text, []
@@ -100,6 +105,25 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _complete_elements(text: str) -> list[Any] | None:
+    """The complete elements at the start of a JSON array cut short, or None when the
+    text does not start one."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return None
+    decoder = json.JSONDecoder()
+    out: list[Any] = []
+    at = 1
+    while True:
+        while at < len(body) and body[at] in " \t\r\n,":
+            at += 1
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return out
+        out.append(value)
 
 
 def _objects(value: Any, tp: ToolPlan) -> list[dict[str, Any]]:

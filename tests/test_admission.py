@@ -15,6 +15,7 @@ from adaserve import metrics
 from adaserve.config import load_settings
 from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainable
 from adaserve.model.loader import load_runner
+from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter, DraftUpdate
 from adaserve.target import RunnerTarget
@@ -200,3 +201,89 @@ def test_one_floor_at_a_time(target_dir) -> None:
     moves = [(a, b) for a, b in itertools.pairwise(seen) if a != b]
     assert all(abs(b - a) > FLOOR_HYSTERESIS * a for a, b in moves), moves
     assert all(round(f, 3) == f for f in seen)  # the precision every report prints
+
+
+class _Clock:
+    """The engine's clock, moved by the test: arrivals and deadlines are exact."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _admission_order(target_dir, submits: list[tuple[float, GenerationRequest]]) -> list[str]:
+    """One running slot: the order in which requests (submitted at the given times, the
+    first admitted alone, the clock then moving 10 ms a step) got their first token."""
+    settings = load_settings(None, engine={"kv_block_size": 16, "max_running": 1})
+    runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=64)
+    clock = _Clock()
+    engine = Engine(
+        RunnerTarget(runner, eos_token_ids=()),
+        None,
+        LocalScheduler(settings.scheduler),
+        settings,
+        clock=clock,
+    )
+    streams = []
+    for k, (at, r) in enumerate(submits):
+        clock.t = 1000.0 + at
+        streams.append(engine.submit(r))
+        if k == 0:
+            engine.step()  # the first takes the slot; the rest queue behind it
+    first: list[str] = []
+    for _ in range(500):
+        engine.step()
+        clock.t += 0.01
+        for s in streams:
+            while (d := s.get(timeout=0)) is not None:
+                if d.token_ids and s.request_id not in first:
+                    first.append(s.request_id)
+        if not engine.has_work():
+            break
+    return first
+
+
+def _r(name: str, ttft_ms: float | None = None, tpot_ms: float = 1e5) -> GenerationRequest:
+    return GenerationRequest(
+        name,
+        tuple(PROMPTS[0]),
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        tpot_slo_ms=tpot_ms,
+        ttft_slo_ms=ttft_ms,
+    )
+
+
+def test_a_tight_ttft_slo_is_admitted_ahead_of_relaxed_requests(target_dir) -> None:
+    # One slot, taken by the first request: everything else queues. The tight TTFT
+    # request came last and used to wait behind all of them in arrival order.
+    order = _admission_order(
+        target_dir,
+        [
+            (0.0, _r("busy")),
+            (0.1, _r("plain-1")),
+            (0.2, _r("relaxed-ttft", ttft_ms=60_000.0)),
+            (0.3, _r("plain-2")),
+            (0.4, _r("tight-tpot-plain", tpot_ms=50.0)),
+            (0.5, _r("tight-ttft", ttft_ms=200.0)),
+        ],
+    )
+    # Due: tight-ttft 0.7 s; plain-1 10.1, plain-2 10.3 and tight-tpot-plain 10.4 (no
+    # TTFT SLO: 10 s after arrival, so arrival order among them); relaxed-ttft 60.2.
+    assert order == ["busy", "tight-ttft", "plain-1", "plain-2", "tight-tpot-plain", "relaxed-ttft"]
+
+
+def test_requests_without_slos_are_not_starved_by_later_tight_ones(target_dir) -> None:
+    # A request without an SLO is due 10 s after arrival: past that, no newcomer is due
+    # before it, however tight its TTFT SLO.
+    order = _admission_order(
+        target_dir,
+        [
+            (0.0, _r("busy")),
+            (0.1, _r("old")),
+            (10.2, _r("tight-1", ttft_ms=50.0)),
+            (10.3, _r("tight-2", ttft_ms=50.0)),
+        ],
+    )
+    assert order == ["busy", "old", "tight-1", "tight-2"]

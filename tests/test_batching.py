@@ -288,3 +288,10 @@ def test_a_prompt_with_ttft_slack_waits_and_one_near_its_deadline_does_not() -> 
     # A longer queue ahead shortens the wait.
     waits = [hold_prompt(2.0, 0.0, q, 0.2) for q in (100, 1000, 2000, 4000)]
     assert waits == [True, True, True, False]
+
+
+def test_the_knee_prior_at_budget_one_is_a_valid_curve() -> None:
+    # (1, 1, 2) repeated a token count and raised: `adaserve generate --budget 1` died.
+    curve = Curve.knee(20.0, 1)
+    assert curve.tokens == (1.0, 2.0)
+    assert curve(1, 0) == 20.0 and curve(4, 0) == 80.0

@@ -8,7 +8,6 @@ Where the kernel cannot be built the model stays on MKL."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -17,27 +16,9 @@ from adaserve.config import load_settings
 from adaserve.model import cpu_gemm
 from adaserve.model.cpu_gemm import KernelUnavailable, PackedEmbedding, PackedLinear, pack_linears
 from adaserve.model.loader import load_runner
-from adaserve.model.runner import SeqInput
 from tests._engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
+from tests._kernels import ISAS, RUNNABLE, WHY, logits_of, needs_kernel
 from tests.conftest import make_tiny_model
-
-
-def _available() -> str | None:
-    try:
-        cpu_gemm.kernel()
-    except (KernelUnavailable, OSError) as exc:
-        return str(exc)
-    return None
-
-
-WHY = _available()
-needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"packed kernel unavailable: {WHY}")
-RUNNABLE = () if WHY is not None else cpu_gemm.supported_isas()
-# Every build, each skipped where this CPU does not run it.
-ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(isa not in RUNNABLE, reason=f"CPU lacks {isa}"))
-    for isa in cpu_gemm.ISA_FLAGS
-]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -128,14 +109,6 @@ def layer_weight(layer: PackedLinear) -> torch.Tensor:
     return layer.packed.permute(1, 0, 2).reshape(k, blocks * width)[:, : layer.out_features]
 
 
-def _logits(runner, prompt: list[int]) -> torch.Tensor:
-    runner.add_sequence("s")
-    try:
-        return runner.forward([SeqInput.chain("s", np.asarray(prompt, np.int32))]).float()
-    finally:
-        runner.free("s")
-
-
 @needs_kernel
 @pytest.mark.parametrize(
     "kind,tied,expected", [("llama", True, 9), ("llama", False, 9), ("qwen2", True, 9)]
@@ -150,7 +123,7 @@ def test_loader_packs_every_linear_and_logits_match_mkl(tmp_path, kind, tied, ex
     assert isinstance(packed.model.embed, PackedEmbedding) == tied
     ids = torch.tensor([0, 5, 31, 32, 33, mkl.model.embed.vocab - 1])
     torch.testing.assert_close(packed.model.embed(ids), mkl.model.embed(ids), rtol=0, atol=0)
-    a, b = _logits(mkl, PROMPTS[2]), _logits(packed, PROMPTS[2])
+    a, b = logits_of(mkl, PROMPTS[2]), logits_of(packed, PROMPTS[2])
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
@@ -178,7 +151,7 @@ def test_mkl_where_the_kernel_cannot_be_built(tmp_path, monkeypatch):
             cpu_gemm.kernel()
         runner = load_runner(path, device="cpu", dtype="float32", kv_blocks=64)
         assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
-        assert _logits(runner, PROMPTS[0]).isfinite().all()
+        assert logits_of(runner, PROMPTS[0]).isfinite().all()
     finally:
         cpu_gemm.kernel.cache_clear()
 

@@ -296,3 +296,17 @@ def test_router_picks_least_outstanding_healthy_unit() -> None:
         await router.close()
 
     asyncio.run(scenario())
+
+
+def test_completion_response_format_is_a_grammar_as_on_chat() -> None:
+    # It was parsed as an unknown field and dropped: the output was free text.
+    spec = _completion(response_format={"type": "json_object"})
+    assert spec.structured is not None and spec.structured.kind == "json_object"
+    assert spec.to_pb().sampling.HasField("structured_output")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = _completion(response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    assert spec.structured is not None and json.loads(str(spec.structured.value)) == schema
+    with pytest.raises(APIError) as err:
+        _completion(response_format={"type": "json_object"}, guided_regex="a")
+    assert err.value.param in ("guided_regex", "response_format")
+    assert _completion(response_format={"type": "text"}).structured is None

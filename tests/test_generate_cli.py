@@ -78,3 +78,16 @@ def test_generate_json_is_lossless_and_reports_mean_accepted(embedded_dir: Path)
     # tokens per step, never more than depth + 1.
     assert 2.5 < s["mean_accepted"] <= 5.0
     assert plain["stats"]["mean_accepted"] == 1.0
+
+
+def test_budget_one_runs_and_is_lossless(embedded_dir: Path) -> None:
+    # --budget 1 (the smallest the help allows) built a knee prior (1, 1, 2) whose token
+    # counts do not increase, and the command died before generating anything.
+    spec = _generate("--drafter", "embedded", "--budget", "1", "--max-tokens", "8")
+    tok = load_tokenizer("embedded")
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tok.encode(text, add_special_tokens=False)
+    assert spec["token_ids"] == hf_greedy(embedded_dir, prompt, 8)
+    assert spec["stats"]["num_tokens"] == 8 and spec["stats"]["finish_reason"] == "length"

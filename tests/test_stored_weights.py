@@ -30,10 +30,10 @@ from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
 from adaserve.target import RunnerTarget
+from tests._engine import run_to_completion
+from tests._kernels import ISAS, RUNNABLE, logits_of, needs_kernel
 from tests._spec_loop import generate, random_budget
 from tests._stats import single_thread
-from tests.test_cpu_gemm import ISAS, RUNNABLE, _logits, needs_kernel
-from tests.test_engine import run_to_completion
 
 pytestmark = needs_kernel
 ROWS = [1, 3, 5, 8, 16, 37]
@@ -156,7 +156,7 @@ def test_the_stored_model_keeps_no_float32_weights_and_its_logits_are_the_none_m
     with single_thread():
         reference = load_runner("embedded", device="cpu", kv_blocks=128, quantization="none")
         assert reference.quantization == "none"
-        assert torch.equal(_logits(stored, PROMPT), _logits(reference, PROMPT))
+        assert torch.equal(logits_of(stored, PROMPT), logits_of(reference, PROMPT))
 
 
 def test_settings_resolve_and_refuse(tiny_llama_dir):

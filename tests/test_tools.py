@@ -205,3 +205,18 @@ def test_required_and_named_calls_are_schemas() -> None:
         '[{"name": "get_time", "parameters": {}}]', _plan(tool_choice="required"), "mistral"
     )
     assert calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+def test_a_required_array_cut_by_length_keeps_its_complete_calls() -> None:
+    # A length cut inside the second call: the first, complete, is a tool call (it came
+    # back as content before, the whole array unparsed), whole and streamed.
+    required = _plan(tool_choice="required")
+    text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci'
+    content, calls = parse(text, required, "hermes")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+    stream = ToolStream(required, "hermes")
+    assert stream.feed(text[:30]) == "" and stream.feed(text[30:]) == ""
+    rest, streamed = stream.finish()
+    assert rest == "" and [c["function"] for c in streamed] == [calls[0]["function"]]
+    # Nothing complete yet: the text stays content, nothing is invented.
+    assert parse('[{"name": "get_ti', required, "hermes") == ('[{"name": "get_ti', [])
