@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--sweep", choices=["rps", "urgent", "slo-scale", "random"])
     p.add_argument("--n", type=int, default=24, help="--sweep random: workloads to draw")
+    p.add_argument(
+        "--reuse",
+        metavar="JSON",
+        help="--sweep random: an earlier random_sweep.json of the same seed and duration; "
+        "its rates and every policy's runs but adaserve's are kept (re-run adaserve only)",
+    )
     p.add_argument("--policies", help="comma-separated policies for --sweep")
     p.add_argument("--values", help="comma-separated sweep points (default: the workload's)")
     p.add_argument(
@@ -173,11 +179,16 @@ def _random_sweep(args: argparse.Namespace) -> int:
     seed = 0 if args.seed is None else args.seed
     duration = args.duration or 60.0
     policies = _csv(args.policies) if args.policies else list(POLICIES)
+    reuse = []
+    if args.reuse:
+        reuse = json.loads(Path(args.reuse).read_text())["workloads"]
     results = run_random_sweep(
-        args.n, seed, duration, policies, workers=args.jobs, progress=not args.quiet
+        args.n, seed, duration, policies, workers=args.jobs, progress=not args.quiet, reuse=reuse
     )
     header = (
-        f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}`\n"
+        f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}`"
+        + (f" (adaserve re-run over `{args.reuse}`)" if args.reuse else "")
+        + "\n"
     )
     paths = write(results, Path(args.out), header)
     if not args.quiet:

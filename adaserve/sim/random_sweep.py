@@ -270,10 +270,18 @@ def find_rate(
     return best[0], best[2], tried
 
 
-def run_workload(args: tuple[Workload, Sequence[str]]) -> dict[str, Any]:
-    """One workload: the rate search, then every policy at the rate found."""
-    workload, policies = args
-    rate, runs, tried = find_rate(workload)
+def run_workload(
+    args: tuple[Workload, Sequence[str], dict[str, Any] | None, Sequence[str]],
+) -> dict[str, Any]:
+    """One workload: the rate search, then every policy at the rate found. `reused`: this
+    workload's result from an earlier sweep (same draw): its rate and every policy's
+    run are kept but those in `rerun`."""
+    workload, policies, reused, rerun = args
+    if reused is not None:
+        rate, tried = reused["rps"], reused["search"]
+        runs = {p: r for p, r in reused["policies"].items() if p not in rerun}
+    else:
+        rate, runs, tried = find_rate(workload)
     results = {p: runs[p] if p in runs else _simulate(workload, p, rate) for p in policies}
     return {
         "name": workload.name,
@@ -317,13 +325,25 @@ def run_random_sweep(
     policies: Sequence[str] = POLICIES,
     workers: int = 1,
     progress: bool = True,
+    reuse: Sequence[dict[str, Any]] = (),
+    rerun: Sequence[str] = ("adaserve",),
 ) -> list[dict[str, Any]]:
-    """One result per workload, in index order (the same for any worker count)."""
+    """One result per workload, in index order (the same for any worker count).
+    `reuse`: the workloads of an earlier sweep's JSON; one drawn alike (same seed,
+    index, duration and code) keeps its rate and its runs of every policy not in
+    `rerun`, so a change to policy adaserve alone re-runs only it, on the same traces."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if "adaserve" not in policies:
         raise ValueError("the random sweep compares policy adaserve: include it")
-    tasks = [(draw_workload(seed, i, duration_s), tuple(policies)) for i in range(n)]
+    earlier = {r["name"]: r for r in reuse}
+    tasks = []
+    for i in range(n):
+        wl = draw_workload(seed, i, duration_s)
+        old = earlier.get(wl.name)
+        if old is not None and old["workload"] != wl.model_dump(mode="json"):
+            old = None  # drawn differently (another duration or generator): run it all
+        tasks.append((wl, tuple(policies), old, tuple(rerun)))
     from tqdm import tqdm
 
     bar = tqdm(total=n, desc="random sweep", disable=not progress, file=sys.stderr, leave=False)
