@@ -165,6 +165,9 @@ class _Request:
     # Policy adaserve, `scheduler.draft_relaxed` off: the request's TPOT so far is above
     # its SLO (batching.behind_tpot), so it is drafted for even if relaxed.
     needs_drafts: bool = False
+    # Admitted while other prompts with a TTFT SLO waited, with a TPOT SLO plain
+    # decoding meets (Engine._relaxed): not drafted for unless behind (needs_drafts).
+    plain: bool = False
     ngram_len: int = 0  # tokens the n-gram drafter holds
     method: str = "auto"  # speculation method asked for (adaserve/methods.py)
     source: str = "none"  # what drafted this iteration's tree (methods.SOURCES)
@@ -867,19 +870,29 @@ class Engine:
 
     def _draftable(self, r: _Request) -> bool:
         """Whether the model drafter drafts for `r` (and ingests its prompt)."""
-        return r.method in self._uses_drafter and not self._relaxed(r)
+        return r.method in self._uses_drafter and not (r.plain and not r.needs_drafts)
 
     def _relaxed(self, r: _Request) -> bool:
-        """Policy adaserve with `scheduler.draft_relaxed` off: `r`'s TPOT SLO is met by
-        plain decoding of a full batch with every iteration stretched by prefill
-        (prefill_stretch x the predicted plain iteration at max_running), and it has
-        not fallen behind it. Drafting for it buys speed its SLO does not count, and
-        costs the drafter's prefill of its prompt, target-side time every prompt's
-        TTFT pays for (a 4k-token prompt costs a small drafter ~0.1 s on the H100
-        profile): on prefill-heavy load that made speculation lose to not
-        speculating (BENCHMARKS.md, "Random workloads")."""
+        """At admission (policy adaserve with `scheduler.draft_relaxed` off): whether
+        `r` decodes plainly, not drafted for unless it falls behind its SLO. So when
+        it shares the engine with other requests that have a TTFT SLO (prompts whose
+        prefill the drafter's would delay, now or as they keep arriving) and `r`'s TPOT
+        SLO is met by plain decoding of a full batch with every
+        iteration stretched by prefill (prefill_stretch x the predicted plain iteration
+        at max_running). Drafting for it would buy speed its SLO does not count, and
+        costs the drafter's prefill of its prompt, target-side time every waiting
+        prompt's TTFT pays for (a 4k-token prompt costs a small drafter ~0.1 s on the
+        H100 profile): on prefill-heavy load that made speculation lose to not
+        speculating (BENCHMARKS.md, "Random workloads"). Decided once: a request that
+        switched back to drafting later would make the drafter catch up on its whole
+        prompt in one forward, a stall for every request in it."""
         sched = self.settings.scheduler
-        if sched.policy != "adaserve" or sched.draft_relaxed or r.needs_drafts:
+        if sched.policy != "adaserve" or sched.draft_relaxed:
+            return False
+        if not any(
+            w is not r and w.req.ttft_slo_ms is not None
+            for w in [*self._waiting, *self._running.values()]
+        ):
             return False
         eng = self.settings.engine
         plain_ms = self.tspec.predict_ms(eng.max_running) * eng.prefill_stretch
@@ -1407,6 +1420,7 @@ class Engine:
                 i += 1
                 continue
             self._waiting.pop(i)
+            r.plain = self._relaxed(r)
             tokens = r.tokens[: r.prefill_target]
             self._running[r.req.id] = r
             with self._guard(r, "admit"):
