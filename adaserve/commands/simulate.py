@@ -183,7 +183,14 @@ def _random_sweep(args: argparse.Namespace) -> int:
     if args.reuse:
         reuse = json.loads(Path(args.reuse).read_text())["workloads"]
     results = run_random_sweep(
-        args.n, seed, duration, policies, workers=args.jobs, progress=not args.quiet, reuse=reuse
+        args.n,
+        seed,
+        duration,
+        policies,
+        workers=args.jobs,
+        progress=not args.quiet,
+        reuse=reuse,
+        partial=Path(args.out) / "random_sweep.partial.json",
     )
     header = (
         f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}`"
@@ -191,6 +198,7 @@ def _random_sweep(args: argparse.Namespace) -> int:
         + "\n"
     )
     paths = write(results, Path(args.out), header)
+    (Path(args.out) / "random_sweep.partial.json").unlink(missing_ok=True)  # now complete
     if not args.quiet:
         print(paths[1].read_text())
         print(f"wrote {', '.join(str(p) for p in paths)}")

@@ -327,11 +327,13 @@ def run_random_sweep(
     progress: bool = True,
     reuse: Sequence[dict[str, Any]] = (),
     rerun: Sequence[str] = ("adaserve",),
+    partial: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One result per workload, in index order (the same for any worker count).
     `reuse`: the workloads of an earlier sweep's JSON; one drawn alike (same seed,
     index, duration and code) keeps its rate and its runs of every policy not in
-    `rerun`, so a change to policy adaserve alone re-runs only it, on the same traces."""
+    `rerun`, so a change to policy adaserve alone re-runs only it, on the same traces.
+    `partial`: a JSON file rewritten with the workloads done so far, in order."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if "adaserve" not in policies:
@@ -348,15 +350,21 @@ def run_random_sweep(
 
     bar = tqdm(total=n, desc="random sweep", disable=not progress, file=sys.stderr, leave=False)
     out: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:
+        out.append(r)
+        bar.update(1)
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"workloads": out}) + "\n")
+
     if workers <= 1:
         for t in tasks:
-            out.append(run_workload(t))
-            bar.update(1)
+            done(run_workload(t))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             for r in pool.map(run_workload, tasks):
-                out.append(r)
-                bar.update(1)
+                done(r)
     bar.close()
     return out
 
