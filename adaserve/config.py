@@ -138,11 +138,11 @@ class SchedulerSettings(BaseModel):
     # plain decoding would leave behind their TPOT SLO (none: a continuous-batching
     # iteration): a draft step costs prefill throughput the deadlines need.
     yield_to_prefill: bool = True
-    # Policy adaserve: False -> while prompts with a TTFT SLO wait, requests whose TPOT
+    # Policy adaserve: False -> admitted beside requests with a TTFT SLO, requests whose TPOT
     # SLO plain decoding of a full batch meets (with prefill stretching every
-    # iteration) are not drafted for, and the drafter does not ingest their prompts,
-    # unless one is behind its SLO (Engine._relaxed). True: every request is drafted
-    # for, as before.
+    # iteration) and whose prompt is at least their max_tokens are not drafted for, and
+    # the drafter does not ingest their prompts, unless one is behind its SLO
+    # (Engine._relaxed). True: every request is drafted for, as before.
     draft_relaxed: bool = False
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
