@@ -77,6 +77,11 @@ class BatchLimits:
     depth: int = 0  # planned draft depth this iteration (0: no drafting)
     width: int = 1
     acceptance: float = 0.75  # per drafted token: expected tokens per tree
+    # Policy adaserve (`scheduler.yield_to_prefill`): when TTFT deadlines are at risk the
+    # throughput trees give up tokens of the forward's cap as well as time. Without it
+    # a large tree budget (the SLO-sized one) can fill max_batch_tokens and leave the
+    # prompts min_prefill_tokens however late they are.
+    yield_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class BatchPlan:
     slo_tree_tokens: int  # tree tokens reserved for the decoding requests' SLOs
     time_limit_ms: float  # the iteration time planned (inf: nothing decoding)
     prefill_context: float = 0.0  # chunk_context of the chunks
+    # The prompts' TTFT deadlines needed more prefill than this iteration carries: what
+    # the engine reads to let speculation yield (`scheduler.yield_to_prefill`).
+    ttft_short: bool = False
 
     @property
     def prefill_tokens(self) -> int:
@@ -146,15 +154,20 @@ def form_batch(
     if need > prefill and trees > slo_tokens:
         # Deadlines at risk: the throughput trees give way first (the SLO trees stay)...
         fit = _most(lambda t: with_prefill(t, need), limit_ms - overhead_ms, trees)
+        if limits.yield_tokens:
+            fit = min(fit, max(cap - need, 0))
         trees = max(slo_tokens, min(trees, fit))
         prefill = most_prefill(trees, limit_ms)
     if need > prefill and slo_ms > limit_ms:
         # ... then smoothness: the iteration may outlast the stretch, not the slack.
         prefill = max(prefill, min(need, most_prefill(trees, slo_ms)))
         limit_ms = max(limit_ms, with_prefill(trees, prefill) + overhead_ms)
+    short = need > prefill
     prefill = min(max(prefill, limits.min_prefill_tokens), remaining)
     chunks = _chunks(order, prefill)
-    return BatchPlan(chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order))
+    return BatchPlan(
+        chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order), ttft_short=short
+    )
 
 
 def slo_tree_budget(

@@ -132,6 +132,18 @@ class SchedulerSettings(BaseModel):
     # Policy adaserve: while a decoding request is behind its TPOT SLO, admission holds
     # prompts with a TTFT SLO until their deadline nears (batching.hold_prompt).
     hold_prompts: bool = True
+    # Policy adaserve: speculation yields to prefill. When the prompts' TTFT deadlines
+    # need more prefill than an iteration with drafts carries, the trees give up tokens
+    # of the forward as well as time, and the iteration drafts only for the requests
+    # plain decoding would leave behind their TPOT SLO (none: a continuous-batching
+    # iteration): a draft step costs prefill throughput the deadlines need.
+    yield_to_prefill: bool = True
+    # Policy adaserve: False -> admitted beside requests with a TTFT SLO, requests whose TPOT
+    # SLO plain decoding of a full batch meets (with prefill stretching every
+    # iteration) and whose prompt is at least their max_tokens are not drafted for, and
+    # the drafter does not ingest their prompts, unless one is behind its SLO
+    # (Engine._relaxed). True: every request is drafted for, as before.
+    draft_relaxed: bool = False
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
 

@@ -168,6 +168,12 @@ class _Request:
     # last, which roots the next tree again (recompute, not swap).
     prefill_target: int = 0
     drafter_len: int = 0  # tokens the drafter holds as committed
+    # Policy adaserve, `scheduler.draft_relaxed` off: the request's TPOT so far is above
+    # its SLO (batching.behind_tpot), so it is drafted for even if relaxed.
+    needs_drafts: bool = False
+    # Admitted while other prompts with a TTFT SLO waited, with a TPOT SLO plain
+    # decoding meets (Engine._relaxed): not drafted for unless behind (needs_drafts).
+    plain: bool = False
     ngram_len: int = 0  # tokens the n-gram drafter holds
     method: str = "auto"  # speculation method asked for (adaserve/methods.py)
     source: str = "none"  # what drafted this iteration's tree (methods.SOURCES)
@@ -397,6 +403,9 @@ class Engine:
         # EWMA of the drafter's time per prompt token it ingests beside the target's
         # prefill: part of what a prefill token costs the iteration.
         self._ingest_ms = 0.0
+        # The last iteration's prompts needed more prefill than it carried (BatchPlan):
+        # the prompt hold then admits (a held prompt would join a late queue).
+        self._ttft_short = False
         # What decoding requests actually waited per token lately (iteration time, prefill
         # chunks and drafting included, over tokens emitted per request) and at what
         # batch size: calibrates the modelled TPOT curve routers read (load()).
@@ -711,47 +720,65 @@ class Engine:
         prefilling = [r for r in running if r.prefilling]
         drafted, depth, width = self._plan(decoding, len(prefilling))
         adaptive = self._adaptive()
-        eng = self.settings.engine
-        # The trees' size for the token split: the model's plan, else n-gram chains
-        # where a request may get one (they cost no draft step, only verify tokens).
-        tree_depth, tree_width = (depth, width) if drafted else (0, 1)
-        if not drafted and self.ngram and any(r.method in USES_NGRAM for r in decoding):
-            tree_depth = self.settings.speculation.ngram.depth
-        limits = BatchLimits(
-            tree_budget=self._tree_budget(decoding, depth if drafted else 0, adaptive),
-            max_batch_tokens=eng.max_batch_tokens,
-            min_prefill_tokens=eng.min_prefill_tokens,
-            stretch=eng.prefill_stretch,
-            depth=tree_depth,
-            width=tree_width,
-            acceptance=adaptive.acceptance,
-        )
+        sched = self.settings.scheduler
+        yields = sched.policy == "adaserve" and sched.yield_to_prefill
         now = self.clock()
-        batch = form_batch(
-            [
-                Decoding(r.req.id, r.req.tpot_slo_ms, *self._elapsed_decoded(r, now))
-                for r in decoding
-            ],
-            [
-                Prefilling(
-                    r.req.id,
-                    r.prefill_target - r.prefilled,
-                    r.ttft_deadline * 1000.0,
-                    r.req.priority,
-                    r.arrival * 1000.0,
-                    r.prefilled,
-                    r.req.ttft_slo_ms is not None and r.num_generated == 0,
-                )
-                for r in prefilling
-            ],
-            limits,
-            self._iteration_ms,
-            self._draft_ms if drafted else 0.0,
-            now * 1000.0,
-            # What a decode-only iteration of this batch has taken, drafting and
-            # selection included: the work a prefill chunk may stretch.
-            self.tspec.measured_ms(self._decode_tokens(decoding, tree_depth, tree_width)),
-        )
+        progress = [
+            Decoding(r.req.id, r.req.tpot_slo_ms, *self._elapsed_decoded(r, now)) for r in decoding
+        ]
+        prompts = [
+            Prefilling(
+                r.req.id,
+                r.prefill_target - r.prefilled,
+                r.ttft_deadline * 1000.0,
+                r.req.priority,
+                r.arrival * 1000.0,
+                r.prefilled,
+                r.req.ttft_slo_ms is not None and r.num_generated == 0,
+            )
+            for r in prefilling
+        ]
+
+        def plan(drafted: list[_Request], depth: int, width: int) -> BatchPlan:
+            eng = self.settings.engine
+            # The trees' size for the token split: the model's plan, else n-gram chains
+            # where a request may get one (they cost no draft step, only verify tokens).
+            tree_depth, tree_width = (depth, width) if drafted else (0, 1)
+            if not drafted and self.ngram and any(r.method in USES_NGRAM for r in decoding):
+                tree_depth = self.settings.speculation.ngram.depth
+            limits = BatchLimits(
+                tree_budget=self._tree_budget(decoding, depth if drafted else 0, adaptive),
+                max_batch_tokens=eng.max_batch_tokens,
+                min_prefill_tokens=eng.min_prefill_tokens,
+                stretch=eng.prefill_stretch,
+                depth=tree_depth,
+                width=tree_width,
+                acceptance=adaptive.acceptance,
+                yield_tokens=yields,
+            )
+            return form_batch(
+                progress,
+                prompts,
+                limits,
+                self._iteration_ms,
+                self._draft_ms if drafted else 0.0,
+                now * 1000.0,
+                # What a decode-only iteration of this batch has taken, drafting and
+                # selection included: the work a prefill chunk may stretch.
+                self.tspec.measured_ms(self._decode_tokens(decoding, tree_depth, tree_width)),
+            )
+
+        batch = plan(drafted, depth, width)
+        if yields and drafted and batch.ttft_short:
+            # Speculation yields to prefill: the deadlines need more than this iteration
+            # carries, and its draft step is time the prompts lose. Draft only for those
+            # plain decoding would leave behind their TPOT SLO (where none is, this is a
+            # continuous-batching iteration); their SLO trees stay in the plan.
+            behind = self._behind_without_drafts(drafted, self.tspec.predict_ms(len(decoding)))
+            drafted = [r for r, b in zip(drafted, behind, strict=True) if b]
+            if len(drafted) < len(behind):  # (at the planned depth: a smaller batch's
+                batch = plan(drafted, depth, width)  # deeper plan would cost prefill more)
+        self._ttft_short = batch.ttft_short
         chunks = []
         for rid, n in batch.chunks:
             r = self._running[rid]
@@ -816,7 +843,13 @@ class Engine:
         round trips of a gRPC iteration (the scheduler service keeps `Plan` for others)."""
         # Only requests whose method may use the model draft with it; the others still
         # count in the load the plan is for.
-        if self.drafter is None or not any(r.method in self._uses_drafter for r in batch):
+        now = self.clock()
+        for r in batch:
+            # Behind its TPOT SLO so far (as the prompt hold judges it, after enough
+            # tokens for that to mean something): a relaxed request is drafted for.
+            elapsed, decoded = self._elapsed_decoded(r, now)
+            r.needs_drafts = behind_tpot([Decoding(r.req.id, r.req.tpot_slo_ms, elapsed, decoded)])
+        if self.drafter is None or not any(self._draftable(r) for r in batch):
             return [], 0, 1
         budget, adaptive = self.settings.scheduler.budget, self._adaptive()
         # Plan for the batch the next iterations run: requests being prefilled and
@@ -831,7 +864,7 @@ class Engine:
             slo_budget = self._tree_budget(batch, depth, adaptive)
             if slo_budget > budget:
                 depth, width = plan_depth_width(n, slo_budget, adaptive)
-            return [r for r in batch if r.method in self._uses_drafter], depth, width
+            return [r for r in batch if self._draftable(r)], depth, width
         # Drafting for the whole batch does not pay, but SLO comes before throughput.
         # Requests that plain decoding would leave behind their SLO still get trees, and
         # so do the tightest-SLO requests where the others' slack pays for the longer
@@ -847,12 +880,48 @@ class Engine:
         drafted = [
             r
             for r, b, t in zip(batch, behind, tight, strict=True)
-            if (b or t) and r.method in self._uses_drafter
+            if (b or t) and self._draftable(r)
         ]
         if not drafted:
             return [], 0, width
         depth, width = plan_depth_width(len(drafted), budget, adaptive)
         return drafted, slack_depth or depth, width
+
+    def _draftable(self, r: _Request) -> bool:
+        """Whether the model drafter drafts for `r` (and ingests its prompt)."""
+        return r.method in self._uses_drafter and not (r.plain and not r.needs_drafts)
+
+    def _relaxed(self, r: _Request) -> bool:
+        """At admission (policy adaserve with `scheduler.draft_relaxed` off): whether
+        `r` decodes plainly, not drafted for unless it falls behind its SLO. So when
+        it shares the engine with other requests that have a TTFT SLO (prompts whose
+        prefill the drafter's would delay, now or as they keep arriving) and `r`'s TPOT
+        SLO is met by plain decoding of a full batch with every
+        iteration stretched by prefill (prefill_stretch x the predicted plain iteration
+        at max_running). Drafting for it would buy speed its SLO does not count, and
+        costs the drafter's prefill of its prompt, target-side time every waiting
+        prompt's TTFT pays for (a 4k-token prompt costs a small drafter ~0.1 s on the
+        H100 profile): on prefill-heavy load that made speculation lose to not
+        speculating (BENCHMARKS.md, "Random workloads"). Decided once: a request that
+        switched back to drafting later would make the drafter catch up on its whole
+        prompt in one forward, a stall for every request in it."""
+        sched = self.settings.scheduler
+        if sched.policy != "adaserve" or sched.draft_relaxed:
+            return False
+        # Only where its prompt outweighs its output: the drafter's prefill grows with
+        # the prompt, what drafts save with the output. A short prompt's request is
+        # drafted for: finishing sooner frees its running slot for the prompts behind
+        # it (the random sweep's draw 2 lost 0.23 of attainment to spec-4 without this).
+        if len(r.req.prompt_token_ids) < r.req.sampling.max_tokens:
+            return False
+        if not any(
+            w is not r and w.req.ttft_slo_ms is not None
+            for w in [*self._waiting, *self._running.values()]
+        ):
+            return False
+        eng = self.settings.engine
+        plain_ms = self.tspec.predict_ms(eng.max_running) * eng.prefill_stretch
+        return r.req.tpot_slo_ms >= plain_ms
 
     def _adaptive(self) -> AdaptiveSettings:
         """The depth/width settings, with the learned acceptance where it is learned."""
@@ -939,7 +1008,7 @@ class Engine:
             self.drafter,
             "drafter_len",
             drafted,
-            [(r, c) for r, c in step.chunks if r.method in self._uses_drafter],
+            [(r, c) for r, c in step.chunks if self._draftable(r)],
             step.depth,
             step.width,
             self.settings.scheduler.adaptive.draft_stop_prob or 0.0,
@@ -1382,6 +1451,7 @@ class Engine:
                 i += 1
                 continue
             self._waiting.pop(i)
+            r.plain = self._relaxed(r)
             tokens = r.tokens[: r.prefill_target]
             self._running[r.req.id] = r
             with self._guard(r, "admit"):
@@ -1425,6 +1495,8 @@ class Engine:
         ]
         if not behind_tpot(decoding):
             return None
+        if sched.yield_to_prefill and self._ttft_short:
+            return None
         n = self.settings.engine.max_batch_tokens
         ms_per_token = self.latency.predict_ms(0, n) / n
         queue = self._prefill_queue
@@ -1434,7 +1506,12 @@ class Engine:
                 return False  # no TTFT SLO to spend, or a preempted request's recompute
             # The queue as of the last iteration: it may hold this prompt already, which
             # then counts twice (the hold errs toward admitting).
-            ahead = sum(left for due, left in queue if due <= r.ttft_deadline)
+            # With `yield_to_prefill`, every prompt queued counts, not only those due
+            # before it: prompts that arrive later with earlier deadlines go first, and
+            # a hold that misses the TTFT it spends loses more than it saved.
+            ahead = sum(
+                left for due, left in queue if sched.yield_to_prefill or due <= r.ttft_deadline
+            )
             return hold_prompt(r.ttft_deadline, now, ahead + r.prefill_target, ms_per_token)
 
         return hold

@@ -295,3 +295,23 @@ def test_the_knee_prior_at_budget_one_is_a_valid_curve() -> None:
     curve = Curve.knee(20.0, 1)
     assert curve.tokens == (1.0, 2.0)
     assert curve(1, 0) == 20.0 and curve(4, 0) == 80.0
+
+
+def test_trees_yield_forward_tokens_to_ttft_deadlines_under_yield_tokens() -> None:
+    """A large tree budget (policy adaserve's SLO-sized one) fills max_batch_tokens; a
+    prompt due soon needs more than the cap leaves. Without `yield_tokens` it gets the
+    leftover (and the plan says it is short); with it, the throughput trees give up
+    tokens of the cap (not below the SLO trees) so the chunk grows."""
+    flat = Curve.knee(20.0, 4096)  # time never binds: only the token cap does
+    limits = BatchLimits(
+        tree_budget=480, max_batch_tokens=512, min_prefill_tokens=8, depth=3, acceptance=0.8
+    )
+    decoders = [dec(i, slo=1000.0) for i in range(120)]
+    prompt = [pre(0, 2000, deadline=100.0)]  # due in ~5 iterations: needs ~400 a step
+    before = form_batch(decoders, prompt, limits, flat)
+    assert before.tree_budget == 480 and before.prefill_tokens == 32 and before.ttft_short
+    after = form_batch(
+        decoders, prompt, BatchLimits(**{**limits.__dict__, "yield_tokens": True}), flat
+    )
+    assert after.tree_budget >= after.slo_tree_tokens
+    assert after.prefill_tokens > 300 and after.tree_budget + after.prefill_tokens <= 512

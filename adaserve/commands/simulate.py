@@ -3,10 +3,13 @@
     adaserve simulate WORKLOAD.yaml --policy P [--k K] --rps R [--duration S] [--seed N] --out DIR
         [--phase-window SECONDS]
     adaserve simulate WORKLOAD.yaml --sweep rps|urgent|slo-scale --out DIR [--policies a,b]
+    adaserve simulate --sweep random --n N --seed S --out DIR [--duration S] [--workers W]
 
 A single run writes DIR/summary.json, DIR/requests.jsonl and DIR/latency.png; a sweep
 writes DIR/sweep_<kind>.csv, DIR/sweep_<kind>.json and PNG plots of attainment and
-goodput (overall and per class).
+goodput (overall and per class). `--sweep random` takes no workload: it draws N
+(adaserve/sim/random_sweep.py), runs every policy on each at the rate where the best
+baseline attains 0.7-0.9, and writes DIR/random_sweep.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import yaml
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload YAML (e.g. workloads/adaserve-eurosys.yaml)")
+    p.add_argument(
+        "workload",
+        nargs="?",
+        help="workload YAML (e.g. workloads/adaserve-eurosys.yaml); none with --sweep random",
+    )
     p.add_argument(
         "--policy",
         help="adaserve | paper | equal | global | spec-K | specinfer | cb | cb-priority",
@@ -31,10 +38,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, help="trace length in seconds")
     p.add_argument("--seed", type=int, help="trace and model seed (default: the workload's)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--sweep", choices=["rps", "urgent", "slo-scale"])
+    p.add_argument("--sweep", choices=["rps", "urgent", "slo-scale", "random"])
+    p.add_argument("--n", type=int, default=24, help="--sweep random: workloads to draw")
+    p.add_argument(
+        "--reuse",
+        metavar="JSON",
+        help="--sweep random: an earlier random_sweep.json of the same seed and duration; "
+        "its rates and every policy's runs but adaserve's are kept (re-run adaserve only)",
+    )
     p.add_argument("--policies", help="comma-separated policies for --sweep")
     p.add_argument("--values", help="comma-separated sweep points (default: the workload's)")
-    p.add_argument("--jobs", type=int, default=1, help="parallel simulations in a sweep")
+    p.add_argument(
+        "--jobs",
+        "--workers",
+        dest="jobs",
+        type=int,
+        default=1,
+        help="parallel simulations (worker processes) in a sweep",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -65,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.sim.workload import load_workload
 
     try:
+        if args.sweep == "random":
+            return _random_sweep(args)
+        if not args.workload:
+            raise ValueError("a workload YAML is required (except with --sweep random)")
         workload = load_workload(args.workload)
         overrides = _parse_sets(args.set)
         if overrides:
@@ -142,6 +167,40 @@ def _sweep(args: argparse.Namespace, workload) -> int:
                 f"{args.sweep}={s['x']:<6g} {s['policy']:<12} attainment "
                 f"{s['slo_attainment']:.3f}  goodput {s['goodput']:.1f}"
             )
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _random_sweep(args: argparse.Namespace) -> int:
+    from adaserve.sim.random_sweep import POLICIES, run_random_sweep, write
+
+    if args.workload or args.set or args.values or args.units or args.routing:
+        raise ValueError("--sweep random draws its own workloads: no workload, --set, --values")
+    seed = 0 if args.seed is None else args.seed
+    duration = args.duration or 60.0
+    policies = _csv(args.policies) if args.policies else list(POLICIES)
+    reuse = []
+    if args.reuse:
+        reuse = json.loads(Path(args.reuse).read_text())["workloads"]
+    results = run_random_sweep(
+        args.n,
+        seed,
+        duration,
+        policies,
+        workers=args.jobs,
+        progress=not args.quiet,
+        reuse=reuse,
+        partial=Path(args.out) / "random_sweep.partial.json",
+    )
+    header = (
+        f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}`"
+        + (f" (adaserve re-run over `{args.reuse}`)" if args.reuse else "")
+        + "\n"
+    )
+    paths = write(results, Path(args.out), header)
+    (Path(args.out) / "random_sweep.partial.json").unlink(missing_ok=True)  # now complete
+    if not args.quiet:
+        print(paths[1].read_text())
         print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -1,0 +1,168 @@
+"""`adaserve simulate --sweep random` (issue 34): the workload space, the rate search,
+determinism and what the sweep writes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaserve.cli import main
+from adaserve.sim import random_sweep as rs
+from adaserve.sim.costmodel import load_profile
+
+
+def test_draws_are_deterministic_per_seed_and_index() -> None:
+    a = rs.draw_workload(3, 5).model_dump(mode="json")
+    assert a == rs.draw_workload(3, 5).model_dump(mode="json")
+    assert a != rs.draw_workload(4, 5).model_dump(mode="json")
+    assert a != rs.draw_workload(3, 6).model_dump(mode="json")
+
+
+def test_draws_stay_in_the_documented_space() -> None:
+    seen_profiles, seen_arrivals, ttft = set(), set(), 0
+    for i in range(40):
+        wl = rs.draw_workload(7, i)
+        seen_profiles.add(wl.profile)
+        assert wl.profile == rs.PROFILES[i % len(rs.PROFILES)]
+        profile = load_profile(wl.profile)
+        assert rs.CLASSES[0] <= len(wl.classes) <= rs.CLASSES[1]
+        assert math.isclose(sum(c.weight for c in wl.classes.values()), 1.0, rel_tol=1e-3)
+        kind = wl.arrivals.process
+        seen_arrivals.add(kind)
+        if kind == "gamma":
+            assert rs.GAMMA_CV[0] <= wl.arrivals.cv <= rs.GAMMA_CV[1]
+        for c in wl.classes.values():
+            assert c.weight >= rs.MIN_WEIGHT * 0.5
+            assert rs.TPOT_SCALE[0] <= c.slo.baseline_scale <= rs.TPOT_SCALE[1]
+            if c.slo.ttft_ms is not None:
+                ttft += 1
+                assert c.slo.ttft_ms > rs.TTFT_FLOOR_MS
+            p, o = c.prompt_tokens, c.output_tokens
+            assert p.mean is not None and o.mean is not None
+            assert rs.PROMPT_MEAN[0] * 0.99 <= p.mean <= rs.PROMPT_MEAN[1]
+            assert rs.OUTPUT_MEAN[0] * 0.99 <= o.mean <= rs.OUTPUT_MEAN[1] * 1.01
+            assert (o.min, o.max) == rs.OUTPUT_CLIP
+            # a prompt and the longest output fit the profile's context
+            assert p.max + o.max <= profile.max_model_len
+            assert rs.TOP1_ALPHA[0] <= c.draft.top1_alpha <= rs.TOP1_ALPHA[1]
+            if kind == "piecewise":
+                assert c.rate_profile is not None and c.rate_profile[0][0] == 0.0
+    assert seen_profiles == set(rs.PROFILES)
+    assert seen_arrivals == {"poisson", "gamma", "piecewise"}
+    assert ttft > 0
+
+
+def _fake_simulate(workload, policy: str, rps: float) -> dict[str, Any]:
+    """Attainment falling smoothly with the rate, capacity set by the workload's index,
+    so the search's logic is tested without simulating."""
+    capacity = 1.0 + int(workload.name.rsplit("-", 1)[1])
+    att = 1.0 / (1.0 + (rps / capacity) ** 4)
+    if policy == "adaserve":
+        att = min(1.0, att + 0.02)
+    requests = 100
+    return {
+        "policy": policy,
+        "rps": rps,
+        "requests": requests,
+        "violations": round(requests * (1 - att)),
+        "slo_attainment": att,
+        "ttft_attainment": att,
+        "tpot_attainment": 1.0,
+        "goodput": 10.0 * att,
+        "per_class": {},
+    }
+
+
+@pytest.mark.parametrize("index", [0, 3, 9])
+def test_rate_search_lands_in_the_band(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
+    monkeypatch.setattr(rs, "_simulate", _fake_simulate)
+    wl = rs.draw_workload(0, index)
+    rate, runs, tried = rs.find_rate(wl)
+    att = max(r["slo_attainment"] for r in runs.values())
+    assert rs.BAND[0] <= att <= rs.BAND[1]
+    assert tried[-1]["rps"] == rate and set(runs) == set(rs.REFERENCE)
+
+
+def test_compare_against_the_best_baseline() -> None:
+    runs = {
+        "adaserve": {"slo_attainment": 0.9, "violations": 9, "goodput": 90.0},
+        "spec-2": {"slo_attainment": 0.8, "violations": 19, "goodput": 80.0},
+        "cb-priority": {"slo_attainment": 0.85, "violations": 14, "goodput": 100.0},
+    }
+    c = rs.compare(runs)
+    assert c["best_baseline"] == "cb-priority"
+    assert c["violations_ratio"] == pytest.approx(15 / 10)
+    assert c["goodput_ratio"] == pytest.approx(0.9)
+    assert c["attainment_vs_cb_priority"] == pytest.approx(0.05)
+
+
+def test_sweep_is_deterministic_and_writes_table_and_plot(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(rs, "_simulate", _fake_simulate)
+    one = rs.run_random_sweep(3, 11, duration_s=5.0, progress=False)
+    two = rs.run_random_sweep(3, 11, duration_s=5.0, workers=2, progress=False)
+    assert json.dumps(one) == json.dumps(two)
+    assert [r["name"] for r in one] == [f"random-11-{i}" for i in range(3)]
+    paths = rs.write(one, tmp_path, "header")
+    assert [p.name for p in paths] == ["random_sweep.json", "random_sweep.md", "random_sweep.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    table = (tmp_path / "random_sweep.md").read_text()
+    assert table.startswith("header") and table.count("| random-11-") == 3
+    data = json.loads((tmp_path / "random_sweep.json").read_text())
+    assert data["summary"]["workloads"] == 3 and data["summary"]["below_cb_priority"] == []
+    # reuse keeps every baseline run and the rate; only adaserve runs again
+    calls: list[str] = []
+
+    def counting(workload, policy: str, rps: float) -> dict[str, Any]:
+        calls.append(policy)
+        return _fake_simulate(workload, policy, rps)
+
+    monkeypatch.setattr(rs, "_simulate", counting)
+    again = rs.run_random_sweep(3, 11, duration_s=5.0, progress=False, reuse=data["workloads"])
+    assert calls == ["adaserve"] * 3
+    assert [r["rps"] for r in again] == [r["rps"] for r in one]
+
+
+def test_cli_runs_a_tiny_real_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """End to end through the simulator: one short workload, three policies."""
+    monkeypatch.setattr(rs, "MIN_REQUESTS", 10)
+    monkeypatch.setattr(rs, "find_rate", _quick_rate)
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "simulate",
+            "--sweep",
+            "random",
+            "--n",
+            "1",
+            "--seed",
+            "2",
+            "--duration",
+            "4",
+            "--policies",
+            "adaserve,spec-2,cb-priority",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    data = json.loads((out / "random_sweep.json").read_text())
+    (w,) = data["workloads"]
+    assert set(w["policies"]) == {"adaserve", "spec-2", "cb-priority"}
+    assert w["policies"]["adaserve"]["requests"] > 0
+    assert (out / "random_sweep.png").is_file()
+
+
+def _quick_rate(workload):
+    rate = rs.initial_rate(workload) / 4
+    return rate, {}, [{"rps": rate, "attainment": None}]
+
+
+def test_cli_rejects_a_workload_with_random(tmp_path: Path) -> None:
+    assert main(["simulate", "x.yaml", "--sweep", "random", "--out", str(tmp_path)]) == 2
