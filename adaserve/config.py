@@ -168,6 +168,10 @@ class EngineSettings(BaseModel):
 
     max_running: PositiveInt = 64
     max_queue: PositiveInt = 256
+    # The waiting queue's order when slots or KV gate admission, after `priority`:
+    # "deadline" (the TTFT deadline, then the tighter TPOT SLO; Engine._admission_order)
+    # or "arrival" (first come, first served: vLLM's fcfs / priority policies).
+    admission_order: Literal["deadline", "arrival"] = "deadline"
     kv_block_size: PositiveInt = 16
     kv_blocks: PositiveInt | None = None  # None -> sized from kv_memory_gb
     kv_memory_gb: PositiveFloat = 2.0

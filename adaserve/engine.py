@@ -1472,7 +1472,10 @@ class Engine:
         due UNSET_TTFT_ORDER_MS after its arrival, so such requests keep arrival order
         among themselves and none waits forever (past that point no later arrival is due
         before it). A preempted request is due when its next token falls behind its TPOT
-        SLO: a fixed instant, so it too reaches the front."""
+        SLO: a fixed instant, so it too reaches the front. `engine.admission_order:
+        arrival` keeps vLLM's order instead: priority, then arrival."""
+        if self.settings.engine.admission_order == "arrival":
+            return (r.req.priority, 0.0, 0.0, r.arrival)
         due = r.ttft_deadline
         if r.num_generated > 0:
             elapsed, decoded = self._elapsed_decoded(r, now)

@@ -27,6 +27,8 @@ from tests._engine import (
     req,
     run_to_completion,
 )
+from tests._engine import random_drafter_dir as random_drafter_dir  # a module fixture
+from tests._engine import target_dir as target_dir  # a module fixture
 
 
 @pytest.mark.parametrize("drafter", ["self", "random", "none"])

@@ -65,9 +65,13 @@ def policy_spec(name: str, max_running: int, k: int | None = None) -> PolicySpec
             name, len(SPECINFER_EXPANSION), max(SPECINFER_EXPANSION), max_running * (nodes + 1)
         )
         return PolicySpec(name, spec.overrides, expansion=SPECINFER_EXPANSION)
-    # Continuous batching admits as vLLM does: no prompt hold (a setting of selection
-    # policy adaserve, the scheduler's default, that cb would otherwise inherit).
-    plain = {"engine": {"speculation": False}, "scheduler": {"hold_prompts": False}}
+    # Continuous batching admits as vLLM does: first come, first served (by priority
+    # first for cb-priority), and no prompt hold (a setting of selection policy adaserve,
+    # the scheduler's default, that cb would otherwise inherit).
+    plain = {
+        "engine": {"speculation": False, "admission_order": "arrival"},
+        "scheduler": {"hold_prompts": False},
+    }
     if name == "cb":
         return PolicySpec(name, plain)
     if name == "cb-priority":
