@@ -1,14 +1,16 @@
 """Stored GGUF blocks vs float32 on the CPU (`model.quantization: stored | none`,
-adaserve/model/stored.py), side by side in one process.
+adaserve/model/stored.py), side by side in one process; stored with float32 or int8
+activations (`model.stored_activations`: "stored" / "stored-i8" below).
 
 1. Forward latency of the embedded target after a committed prefix: a one-token decode
    step and a verify step of 5, 8 and 16 tree tokens (bench_verify.py's beam tree),
-   for none / stored, each on the AVX-512 and the AVX2 build of the packed kernel
+   for none / stored / stored-i8, each on the AVX-512 and the AVX2 build of the kernel
    where the CPU runs both (the linear layers' calls switched to that build; norms and
    attention stay on the widest). Round-robin over configurations, median of --reps.
 2. End to end through the engine (configs/embedded-cpu.yaml, shipped int8 drafter),
-   one request of --tokens greedy tokens at a time, none vs stored alternating: tokens
-   per second (median of --e2e-reps), and that both emit the same tokens.
+   one request of --tokens greedy tokens at a time, none / stored / stored-i8 in turn:
+   tokens per second (median of --e2e-reps), and that none and stored emit the same
+   tokens (stored-i8: how many of the first tokens agree with none's).
 
     .venv/bin/python benchmarks/bench_stored.py [--reps 15] [--tokens 96] [--threads 2]
 """
@@ -33,6 +35,12 @@ from benchmarks.bench_verify import beam_tree, time_forward
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "embedded-cpu.yaml"
 SIZES = [1, 5, 8, 16, 64]  # 64: a prefill chunk
+# name -> (model.quantization, model.stored_activations)
+CONFIGS = {
+    "none": ("none", "int8"),
+    "stored": ("stored", "float32"),
+    "stored-i8": ("stored", "int8"),
+}
 
 
 def use_isa(runner: ModelRunner, isa: str) -> None:
@@ -40,7 +48,8 @@ def use_isa(runner: ModelRunner, isa: str) -> None:
     lib = cpu_gemm.kernel(isa)
     for m in runner.model.modules():
         if isinstance(m, cpu_gemm.QuantLinear):
-            m._call = lib.adaserve_quant_linear
+            i8 = m.activations == "int8"
+            m._call = lib.adaserve_quant_i8_linear if i8 else lib.adaserve_quant_linear
         elif isinstance(m, cpu_gemm.PackedLinear):
             m._call = lib.adaserve_skinny_linear
 
@@ -48,12 +57,18 @@ def use_isa(runner: ModelRunner, isa: str) -> None:
 def forward_latency(reps: int, prefix_len: int, clock) -> None:
     isas = cpu_gemm.supported_isas()
     runners: dict[str, ModelRunner] = {}
-    for quant in ("none", "stored"):
+    for name, (quant, acts) in CONFIGS.items():
         for isa in isas:
-            r = load_runner("embedded", "cpu", kv_memory_gb=0.25, quantization=quant)
+            r = load_runner(
+                "embedded",
+                "cpu",
+                kv_memory_gb=0.25,
+                quantization=quant,
+                stored_activations=acts,
+            )
             assert isinstance(r, ModelRunner)
             use_isa(r, isa)
-            runners[f"{quant}/{isa}"] = r
+            runners[f"{name}/{isa}"] = r
     rng = np.random.default_rng(0)
     prefix = rng.integers(100, 49152, prefix_len)
     trees = {n: (rng.integers(100, 49152, n).astype(np.int32), beam_tree(n)) for n in SIZES}
@@ -72,13 +87,14 @@ def forward_latency(reps: int, prefix_len: int, clock) -> None:
     print(
         f"forward ms after a {prefix_len}-token prefix, median of {reps} ({torch.get_num_threads()} threads)"
     )
-    print(f"{'config':<16}" + "".join(f"{f'{n} tok':>10}" for n in SIZES))
+    print(f"{'config':<24}" + "".join(f"{f'{n} tok':>10}" for n in SIZES))
     meds = {k: {n: statistics.median(v) for n, v in s.items()} for k, s in samples.items()}
     for k, m in meds.items():
-        print(f"{k:<16}" + "".join(f"{m[n]:>10.2f}" for n in SIZES))
+        print(f"{k:<24}" + "".join(f"{m[n]:>10.2f}" for n in SIZES))
     for isa in isas:
-        ratio = [meds[f"none/{isa}"][n] / meds[f"stored/{isa}"][n] for n in SIZES]
-        print(f"{'none/stored ' + isa:<16}" + "".join(f"{x:>9.2f}x" for x in ratio))
+        for a, b in [("none", "stored"), ("none", "stored-i8"), ("stored", "stored-i8")]:
+            ratio = [meds[f"{a}/{isa}"][n] / meds[f"{b}/{isa}"][n] for n in SIZES]
+            print(f"{f'{a}/{b} {isa}':<24}" + "".join(f"{x:>9.2f}x" for x in ratio))
 
 
 def engine_tokens_per_s(tokens: int, reps: int) -> None:
@@ -87,11 +103,10 @@ def engine_tokens_per_s(tokens: int, reps: int) -> None:
     from adaserve.request import GenerationRequest, SamplingParams
 
     engines = {}
-    for quant in ("none", "stored"):
-        settings = load_settings(
-            CONFIG, slo={"baseline_tpot_ms": 50.0}, model={"quantization": quant}
-        )
-        engines[quant] = build_engine(settings)
+    for name, (quant, acts) in CONFIGS.items():
+        model = {"quantization": quant, "stored_activations": acts}
+        settings = load_settings(CONFIG, slo={"baseline_tpot_ms": 50.0}, model=model)
+        engines[name] = build_engine(settings)
     tok = engines["none"].tokenizer
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}],
@@ -122,10 +137,19 @@ def engine_tokens_per_s(tokens: int, reps: int) -> None:
         print(
             f"  {quant:<7} {statistics.median(r):7.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in r)})"
         )
-    print(
-        f"  stored/none {statistics.median(rates['stored']) / statistics.median(rates['none']):.2f}x"
+    for name in ("stored", "stored-i8"):
+        ratio = statistics.median(rates[name]) / statistics.median(rates["none"])
+        print(f"  {name}/none {ratio:.2f}x")
+    print(f"  none and stored: same tokens: {outputs['none'] == outputs['stored']}")
+    same = next(
+        (
+            i
+            for i, (a, b) in enumerate(zip(outputs["none"], outputs["stored-i8"], strict=False))
+            if a != b
+        ),
+        None,
     )
-    print(f"  same tokens: {outputs['none'] == outputs['stored']}")
+    print(f"  stored-i8: first token differing from none's: {same}")
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """`adaserve generate --json` with the embedded pair, as a user runs it: the speculative
-loop's tokens equal plain decoding's and Hugging Face's greedy `generate`, and
+loop's tokens equal plain decoding's (the default stored target, int8 activations),
+plain decoding with float32 activations equals Hugging Face's greedy `generate`, and
 `stats.mean_accepted` is tokens per verification step of the depth asked for."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ PROMPT = "Write a Python function that reverses a string."
 MAX_TOKENS = 24
 
 
-def _generate(*extra: str) -> dict:
+def _generate(*extra: str, env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
@@ -44,7 +45,7 @@ def _generate(*extra: str) -> dict:
         text=True,
         timeout=600,
         cwd=ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
@@ -70,7 +71,9 @@ def test_generate_json_is_lossless_and_reports_mean_accepted(embedded_dir: Path)
     )
     prompt = tok.encode(ids, add_special_tokens=False)
     assert spec["stats"]["prompt_tokens"] == len(prompt)
-    assert spec["token_ids"] == hf_greedy(embedded_dir, prompt, MAX_TOKENS)
+    # The stored target with float32 activations computes the float32 model's logits.
+    exact = _generate("--no-speculation", env={"ADASERVE_MODEL__STORED_ACTIVATIONS": "float32"})
+    assert exact["token_ids"] == hf_greedy(embedded_dir, prompt, MAX_TOKENS)
     s = spec["stats"]
     assert s["speculative"] and not plain["stats"]["speculative"]
     assert s["num_tokens"] == MAX_TOKENS and s["finish_reason"] == "length"

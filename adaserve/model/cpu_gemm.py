@@ -19,7 +19,9 @@ on the tree verified beside it. The result differs from MKL's in the last bits
 The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (`QuantLinear`,
 `model.quantization: stored`, stored.py): blocks repacked at load, dequantized exactly
 in registers, then the same FMA chains, so the same bits as PackedLinear over the
-GGUF's dequantized weights from a sixth (Q4_1) of the bytes.
+GGUF's dequantized weights from a sixth (Q4_1) of the bytes; or, with activations
+"int8" (`model.stored_activations`), each row quantized per 32 features to int8 and
+integer dot products per block (skinny_gemm.cpp's QuantI8), as llama.cpp does.
 
 The same library holds the small per-layer ops (tree attention, RMSNorm) that
 cpu_ops.py puts around these layers.
@@ -62,7 +64,7 @@ SOURCES = (CSRC / "skinny_gemm.cpp", CSRC / "cpu_ops.cpp")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 # torch's name for the CPU's vector capability -> our build of the kernel for it.
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mfma"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
 _TORCH_ISA = {"AVX512": "avx512", "AVX2": "avx2"}
 
 
@@ -125,6 +127,10 @@ def kernel(isa: str | None = None) -> ctypes.CDLL:
     dll.adaserve_quant_linear.restype = None
     dll.adaserve_quant_group_bytes.argtypes = [ctypes.c_int]
     dll.adaserve_quant_group_bytes.restype = i64
+    dll.adaserve_quant_i8_linear.argtypes = dll.adaserve_quant_linear.argtypes
+    dll.adaserve_quant_i8_linear.restype = None
+    dll.adaserve_quant_i8_group_bytes.argtypes = [ctypes.c_int]
+    dll.adaserve_quant_i8_group_bytes.restype = i64
     f32, i32 = ctypes.c_float, ctypes.c_int
     dll.adaserve_tree_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr]
     dll.adaserve_tree_attention.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, i64, f32, ptr, i32]
@@ -221,6 +227,10 @@ class PackedLinear(_KernelLinear):
 # of 32 weights, whether the block has a float16 minimum after its scale).
 GGML_TYPES = {2: ("Q4_0", 18, False), 3: ("Q4_1", 20, True), 8: ("Q8_0", 34, False)}
 GROUP = 32  # weights per GGUF block, along the input features
+# What QuantLinear multiplies the stored blocks with: float32 activations (each weight
+# dequantized exactly: the fp32 kernel's bits) or int8 ones per block of 32 features
+# (ggml's Q8_1 quantization of each row, integer dot products per block).
+ACTIVATIONS = ("float32", "int8")
 
 
 def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
@@ -252,13 +262,42 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tenso
     return torch.cat(parts, dim=2).contiguous()
 
 
+def pack_gguf_i8(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
+    """GGUF blocks as pack_gguf's, but the quants laid out for the int8-activation path
+    (skinny_gemm.cpp's QuantI8): per group, the float16 scales (and Q4_1 minimums),
+    then 8 quads of 4 features, each column's 4 quants adjacent (one int32 lane):
+    Q4_* 64 bytes, byte b = column b // 4's nibble (low) and column 16 + b // 4's
+    (high); Q8_0 128 bytes, byte b = column b // 4's int8. Bytes moved, not converted."""
+    _, block_bytes, has_min = GGML_TYPES[ggml_type]
+    assert block == 32
+    out = raw.shape[0]
+    groups = raw.shape[1] // block_bytes
+    blocks = -(-out // block)
+    padded = torch.zeros(blocks * block, groups, block_bytes, dtype=torch.uint8)
+    padded[:out] = raw.reshape(out, groups, block_bytes)
+    cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
+    head = 4 if has_min else 2
+    parts = [cols[..., 0:2].reshape(blocks, groups, 2 * block)]
+    if has_min:
+        parts.append(cols[..., 2:4].reshape(blocks, groups, 2 * block))
+    qs = cols[..., head:]  # [b, g, col, bytes]
+    if ggml_type != 8:  # byte j: weight j (low nibble), j + 16 (high)
+        qs = torch.cat([qs & 15, qs >> 4], dim=3)  # [b, g, col, feature]
+    quads = qs.reshape(blocks, groups, block, GROUP // 4, 4).transpose(2, 3)  # [b,g,quad,col,4]
+    if ggml_type != 8:
+        half = block // 2
+        quads = quads[:, :, :, :half] | (quads[:, :, :, half:] << 4)
+    parts.append(quads.reshape(blocks, groups, -1))
+    return torch.cat(parts, dim=2).contiguous()
+
+
 def unpack_gguf_columns(
-    packed: torch.Tensor, ggml_type: int, cols: torch.Tensor, block: int = 32
+    packed: torch.Tensor, ggml_type: int, cols: torch.Tensor, block: int = 32, i8: bool = False
 ) -> torch.Tensor:
-    """The dequantized weights of output columns `cols` of pack_gguf's layout, float32
-    [len(cols), in]: ggml's own arithmetic (q * d, (q - 8) * d, q * d + m in float32),
-    so the GGUF's dequantized values bit for bit (an embedding lookup reads the tied
-    head's blocks through this)."""
+    """The dequantized weights of output columns `cols` of pack_gguf's layout (with
+    `i8`, pack_gguf_i8's), float32 [len(cols), in]: ggml's own arithmetic (q * d,
+    (q - 8) * d, q * d + m in float32), so the GGUF's dequantized values bit for bit
+    (an embedding lookup reads the tied head's blocks through this)."""
     _, _, has_min = GGML_TYPES[ggml_type]
     n, groups = cols.numel(), packed.shape[1]
     at = torch.arange(n)
@@ -271,7 +310,22 @@ def unpack_gguf_columns(
 
     d = halves(0)
     qoff = 4 * block if has_min else 2 * block
-    if ggml_type == 8:
+    if i8:  # [n, groups, quad, col, 4]
+        half = block // 2
+        if ggml_type == 8:
+            qb = g[:, :, qoff:].contiguous().view(torch.int8).view(n, groups, 8, block, 4)
+            q = qb[at, :, :, c].reshape(n, groups, GROUP)
+        else:
+            qb = g[:, :, qoff:].reshape(n, groups, 8, half, 4)[at, :, :, c % half]
+            q = torch.where((c >= half).view(n, 1, 1, 1), qb >> 4, qb & 15).to(torch.int16)
+            q = q.reshape(n, groups, GROUP)
+        w = q.float() * d if ggml_type == 8 else None
+        if ggml_type == 2:
+            w = (q - 8).float() * d
+        elif ggml_type == 3:
+            w = q.float() * d + halves(2 * block)
+        assert w is not None
+    elif ggml_type == 8:
         q = g[:, :, qoff:].contiguous().view(torch.int8).view(n, groups, GROUP, block)[at, :, :, c]
         w = q.float() * d
     else:
@@ -287,7 +341,9 @@ class QuantLinear(_KernelLinear):
     Q8_0), dequantized in registers by the packed kernel: the same FMA chains as
     PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
     (Q4_1) to a quarter (Q8_0) of fp32's bytes. `raw`: uint8 [out, in / 32 * block
-    bytes] in GGUF row order; `isa` as PackedLinear's."""
+    bytes] in GGUF row order; `isa` as PackedLinear's. `activations` "int8": x's rows
+    quantized per 32 features and integer dot products (pack_gguf_i8's layout), the
+    result within that rounding, still independent of the rows beside each."""
 
     def __init__(
         self,
@@ -296,18 +352,27 @@ class QuantLinear(_KernelLinear):
         in_features: int,
         bias: torch.Tensor | None = None,
         isa: str | None = None,
+        activations: str = "float32",
     ) -> None:
         super().__init__()
         lib = kernel(isa)
         block = lib.adaserve_skinny_block()
         if ggml_type not in GGML_TYPES or in_features % GROUP:
             raise ValueError(f"ggml type {ggml_type} with {in_features} input features")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"unknown activations {activations!r} ({' | '.join(ACTIVATIONS)})")
         self.ggml_type = ggml_type
+        self.activations = activations
         self.in_features, self.out_features = in_features, raw.shape[0]
-        self.packed = pack_gguf(raw, ggml_type, block)
-        assert self.packed.shape[2] == lib.adaserve_quant_group_bytes(ggml_type)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._call = lib.adaserve_quant_linear
+        if activations == "int8":
+            self.packed = pack_gguf_i8(raw, ggml_type, block)
+            assert self.packed.shape[2] == lib.adaserve_quant_i8_group_bytes(ggml_type)
+            self._call = lib.adaserve_quant_i8_linear
+        else:
+            self.packed = pack_gguf(raw, ggml_type, block)
+            assert self.packed.shape[2] == lib.adaserve_quant_group_bytes(ggml_type)
+            self._call = lib.adaserve_quant_linear
         self._extra = ggml_type
         self._w = self.packed.data_ptr()
         self._b = None if self.bias is None else self.bias.data_ptr()
@@ -318,7 +383,7 @@ class QuantLinear(_KernelLinear):
 
     def columns(self, cols: torch.Tensor) -> torch.Tensor:
         """Dequantized weights of output features `cols`, float32 [len(cols), in]."""
-        return unpack_gguf_columns(self.packed, self.ggml_type, cols)
+        return unpack_gguf_columns(self.packed, self.ggml_type, cols, i8=self.activations == "int8")
 
 
 class QuantEmbedding(nn.Module):

@@ -135,12 +135,14 @@ def load_runner(
     quantization: str = "none",
     cpu_kernel: str = "auto",
     prefix_caching: bool = True,
+    stored_activations: str = "int8",
 ) -> ModelRunner | TPRunner:
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
     and returns a TPRunner with the same interface. `quantization`: "none", "int8"
     (weight-only per output feature on the CPU: adaserve/model/quantize.py), "stored"
     (a GGUF model's quantized blocks as stored: adaserve/model/stored.py) or "auto"
-    (stored where it runs, else none); `cpu_kernel` "auto" runs a one-rank fp32
+    (stored where it runs, else none), its layers multiplying `stored_activations`
+    ("int8" or "float32": cpu_gemm.QuantLinear); `cpu_kernel` "auto" runs a one-rank fp32
     CPU model's linear layers on the packed kernel where it builds, and its RMSNorms
     and small-batch attention on the ops built with it, "mkl" on MKL and torch
     (adaserve/model/cpu_gemm.py, cpu_ops.py)."""
@@ -159,6 +161,7 @@ def load_runner(
         max_model_len=max_model_len,
         attention_backend=attention_backend,
         quantization=quantization,
+        stored_activations=stored_activations,
         cpu_kernel=cpu_kernel,
         prefix_caching=prefix_caching,
     )
@@ -185,6 +188,7 @@ def build_runner(
     quantization: str = "none",
     cpu_kernel: str = "auto",
     prefix_caching: bool = True,
+    stored_activations: str = "int8",
 ) -> ModelRunner:
     """Build this rank's runner from a resolved HF directory."""
     cfg = ModelConfig.from_dir(path)
@@ -210,7 +214,7 @@ def build_runner(
     if quantization == "stored":
         source = gguf_source(path)
         assert source is not None  # resolve_quantization checked
-        formats = dict(serve_stored(model, source))
+        formats = dict(serve_stored(model, source, activations=stored_activations))
     elif quantization == "int8" and device.type == "cpu":
         from adaserve.model.quantize import quantize_int8
 

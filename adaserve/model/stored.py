@@ -7,9 +7,12 @@ SmolLM2, where llama.cpp reads ~85 MB. Here every linear layer whose GGUF tensor
 Q4_0, Q4_1 or Q8_0 is swapped for a QuantLinear over the file's own blocks (cpu_gemm.py;
 dequantized in registers, never kept in float32), and a tied embedding reads the LM
 head's blocks. Dequantization is exact, and the kernel runs the fp32 kernel's FMA
-chains, so a `stored` model computes the same logits as the `none` one on the packed
-kernel, bit for bit, from a sixth of the bytes: speculation stays lossless for the same
-reason (a row's result never depends on the rows beside it).
+chains, so with `model.stored_activations: float32` a `stored` model computes the same
+logits as the `none` one on the packed kernel, bit for bit, from a sixth of the bytes.
+The default, `int8`, quantizes each token row per 32 features and takes integer dot
+products (as llama.cpp does; ~3x faster decode steps than float32, logits within that
+rounding). Either way speculation stays lossless: a row's result never depends on the
+rows beside it.
 
 Other tensor types (F16, K-quants, ...) keep their layer in float32 on the packed
 kernel, logged. Tensor parallelism is refused: a rank would need its slice of the
@@ -101,11 +104,13 @@ def _check(layer: QuantLinear, weight_t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} do not hold the weights loaded from the conversion")
 
 
-def serve_stored(model: LlamaModel, gguf: Path, isa: str | None = None) -> Counter[str]:
+def serve_stored(
+    model: LlamaModel, gguf: Path, isa: str | None = None, activations: str = "int8"
+) -> Counter[str]:
     """Swap each linear layer of a one-rank CPU model loaded from `gguf`'s conversion
     for a QuantLinear over the file's blocks, in place, and a tied (or any quantized)
     embedding for a lookup into them. Returns how many layers per format ("F32" for
-    those left in float32). Each swapped layer is checked against its loaded float32
+    those left in float32). `activations`: QuantLinear's ("int8" or "float32"). Each swapped layer is checked against its loaded float32
     weights on a few columns, bit for bit: a mismatch (another tensor layout than
     llama.cpp's Llama converter writes) fails the load."""
     import gguf as gguf_lib
@@ -130,7 +135,8 @@ def serve_stored(model: LlamaModel, gguf: Path, isa: str | None = None) -> Count
             return None
         raw = torch.cat([_raw(t) for t in found if t is not None])
         weight = child.weight_t  # [in, out] float32, as loaded from the conversion
-        layer = QuantLinear(raw, kind, weight.shape[0], getattr(child, "bias", None), isa=isa)
+        bias = getattr(child, "bias", None)
+        layer = QuantLinear(raw, kind, weight.shape[0], bias, isa=isa, activations=activations)
         _check(layer, weight, f"{gguf.name}: {names}")
         setattr(parent, attr, layer)
         formats[layer.format] += 1
@@ -153,12 +159,15 @@ def serve_stored(model: LlamaModel, gguf: Path, isa: str | None = None) -> Count
         model.embed = QuantEmbedding(head)
     elif not tied and (t := tensors.get("token_embd.weight")) and int(t.tensor_type) in GGML_TYPES:
         # An untied embedding is a lookup table only: its blocks, gathered per token.
-        table = QuantLinear(_raw(t), int(t.tensor_type), embed.weight_t.shape[0], isa=isa)
+        table = QuantLinear(
+            _raw(t), int(t.tensor_type), embed.weight_t.shape[0], isa=isa, activations=activations
+        )
         _check(table, embed.weight_t, f"{gguf.name}: token_embd.weight")
         model.embed = QuantEmbedding(table)
     log.info(
-        "stored weights from %s: %s linear layers (dequantized in registers, packed CPU kernel)",
+        "stored weights from %s: %s linear layers (packed CPU kernel, %s activations)",
         gguf.name,
         ", ".join(f"{n} {f}" for f, n in sorted(formats.items())),
+        activations,
     )
     return formats

@@ -17,6 +17,8 @@ constexpr int kMaxBlocksPerTile = 2;
 // Quantized weights for more rows than this are dequantized once per block into a
 // scratch (skinny_gemm.cpp): 64 rows take 0.87x the time; 9-16 rows gain nothing.
 constexpr int kScratchRows = 2 * kRows;
+// Rows per tile of the int8-activation path: 8 x 2 int32 accumulators.
+constexpr int kI8Rows = 8;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -45,6 +47,25 @@ inline vmask vmask_first(int64_t n) {
 inline bool vmask_any(vmask m) { return m != 0; }
 inline vec vload_masked(vmask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore_masked(float* p, vmask m, vec v) { _mm512_mask_storeu_ps(p, m, v); }
+// Integer dot products (the int8-activation path, skinny_gemm.cpp's QuantI8; needs
+// AVX-512BW, which every CPU torch calls AVX512 has): ivec holds kLanes int32 lanes.
+using ivec = __m512i;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec iload(const void* p) { return _mm512_loadu_si512(p); }
+inline ivec iset1(int32_t v) { return _mm512_set1_epi32(v); }
+inline ivec inib_lo(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline ivec inib_hi(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+// acc + per int32 lane the sum of its 4 products u8(a) * s8(b), exact (no pair of
+// products here exceeds int16: |a| <= 128, |b| <= 127).
+inline ivec idot(ivec acc, ivec a, ivec b) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+}
+// Signed weights: |w| as u8, and b with w's sign.
+inline ivec iabs8(ivec w) { return _mm512_abs_epi8(w); }
+inline ivec isign8(ivec b, ivec w) {  // where w is 0 the product is 0 anyway
+  return _mm512_mask_sub_epi8(b, _mm512_movepi8_mask(w), _mm512_setzero_si512(), b);
+}
+inline vec icvt(ivec v) { return _mm512_cvtepi32_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // 16 ymm registers: a tile of 5 rows x 4 vectors (one block) spills some accumulators
 // to L1, yet on Zen 3 a forward's linear layers for 5 rows cost ~1.1x one row with it,
@@ -56,6 +77,8 @@ constexpr int kRows = 5;
 constexpr int kMaxBlocksPerTile = 1;
 // As for AVX-512: with the scratch from 6 rows on, 6-16 rows took 1.1-1.3x longer.
 constexpr int kScratchRows = 2 * kRows;
+// Rows per tile of the int8-activation path: 2 x 4 int32 accumulators, 4 weights.
+constexpr int kI8Rows = 2;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -89,6 +112,18 @@ inline vmask vmask_first(int64_t n) {
 inline bool vmask_any(vmask m) { return !_mm256_testz_si256(m, m); }
 inline vec vload_masked(vmask m, const float* p) { return _mm256_maskload_ps(p, m); }
 inline void vstore_masked(float* p, vmask m, vec v) { _mm256_maskstore_ps(p, m, v); }
+using ivec = __m256i;
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline ivec iload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline ivec iset1(int32_t v) { return _mm256_set1_epi32(v); }
+inline ivec inib_lo(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline ivec inib_hi(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+inline ivec idot(ivec acc, ivec a, ivec b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+inline ivec iabs8(ivec w) { return _mm256_sign_epi8(w, w); }
+inline ivec isign8(ivec b, ivec w) { return _mm256_sign_epi8(b, w); }
+inline vec icvt(ivec v) { return _mm256_cvtepi32_ps(v); }
 #else
 #error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma -mf16c"
 #endif

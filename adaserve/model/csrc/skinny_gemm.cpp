@@ -19,13 +19,17 @@
 //
 // And it takes GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (Quant below), dequantized
 // exactly in registers once per feature and tile of rows, then the same FMA chains:
-// the bits of the float32 kernel over the GGUF's dequantized weights.
+// the bits of the float32 kernel over the GGUF's dequantized weights; or with the
+// activations quantized to int8 per group and integer dot products (QuantI8).
 //
 // Plain C ABI, no torch headers: it builds in about a second and is called through
 // ctypes. Threads come from OpenMP; loaded into a process that imported torch, the
 // soname libgomp.so.1 resolves to torch's own runtime and thread pool.
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -277,6 +281,167 @@ void linear(const Op& op, const float* x, int64_t M, int64_t N, float* y, int th
   }
 }
 
+// The int8-activation path (QuantLinear activations "int8"): each row of x quantized
+// per group of 32 features to int8 with a float scale (ggml's Q8_1: dx = amax / 127,
+// q = round(x / dx), and sx = dx * sum q), then per group and output the int32 dot
+// product of the stored quants and the row's int8 quants, and in float32, in group
+// order, acc = fma(dw * dx, isum, acc), then (Q4_1, and Q4_0 as min -8 dw) acc =
+// fma(mw, sx, acc). A row's quantization and every output's chain depend on that row
+// alone, and the integer sums are exact, so a row's result is the same bits for any
+// number of rows and on either build.
+//
+// Layout (cpu_gemm.py pack_gguf_i8), per block of 32 columns and group: the columns'
+// float16 d, (Q4_1) float16 m, then 8 quads of 4 features: Q4_* 64 bytes, byte b
+// holding column b / 4's nibble for feature 4 * quad + b % 4 (low) and column
+// 16 + b / 4's (high); Q8_0 128 bytes, byte b column b / 4's int8 for that feature.
+struct RowQuant {
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> d, s;  // [M, K / 32]: scale, scale * sum of the group's quants
+  void run(const float* x, int64_t M, int64_t K) {
+    const int64_t G = K / kGroup;
+    q.resize(M * K);
+    d.resize(M * G);
+    s.resize(M * G);
+    for (int64_t r = 0; r < M * G; ++r) {
+      const float* xg = x + r * kGroup;
+      float amax = 0.0f;
+      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float dx = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const float v = std::nearbyint(xg[i] * id);
+        const int32_t qi = (int32_t)std::min(127.0f, std::max(-127.0f, v));
+        q[r * kGroup + i] = (int8_t)qi;
+        sum += qi;
+      }
+      d[r] = dx;
+      s[r] = dx * (float)sum;
+    }
+  }
+};
+
+template <int F>
+struct QuantI8 {
+  static constexpr bool kMin = F != kQ8_0;  // Q4_0 as a minimum of -8 d
+  static constexpr int64_t kHead = 2 * kBlock * (F == kQ4_1 ? 2 : 1);
+  static constexpr int64_t kQuad = F == kQ8_0 ? 4 * kBlock : 2 * kBlock;  // bytes
+  static constexpr int64_t kBytes = kHead + kGroup / 4 * kQuad;
+  const uint8_t* w;
+  const float* bias;
+  int64_t K;
+  const RowQuant* xq;
+
+  // Which kLanes columns the j-th int vector of a quad holds, in units of kLanes.
+  static constexpr int col(int j) {
+    if constexpr (F == kQ8_0 || kVecs == 2) return j;
+    else return (j & 1) * 2 + (j >> 1);  // AVX2 Q4: [lo 0-7, hi 16-23, lo 8-15, hi 24-31]
+  }
+
+  // Rows [m0, m0 + M) x the 32 columns of block blk.
+  template <int M>
+  void tile(int64_t m0, int64_t blk, float* y, int64_t ldy, int64_t ncols) const {
+    alignas(64) float acc[M][kBlock];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kVecs; ++j) vstore(acc[m] + kLanes * j, vzero());
+    const int64_t G = K / kGroup;
+    const uint8_t* p = w + blk * G * kBytes;
+    for (int64_t g = 0; g < G; ++g, p += kBytes) {
+      for (int64_t off = 0; off < kBytes; off += 64)
+        _mm_prefetch((const char*)(p + 2 * kBytes + off), _MM_HINT_T0);
+      ivec is[M][kVecs];
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < kVecs; ++j) is[m][j] = izero();
+      const uint8_t* qp = p + kHead;
+#pragma GCC unroll 8
+      for (int qd = 0; qd < kGroup / 4; ++qd, qp += kQuad) {
+        ivec wv[kVecs], sg[kVecs];
+        if constexpr (F == kQ8_0) {
+#pragma GCC unroll 4
+          for (int j = 0; j < kVecs; ++j) {
+            sg[j] = iload(qp + j * (kQuad / kVecs));
+            wv[j] = iabs8(sg[j]);
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int j = 0; j < kVecs / 2; ++j) {
+            const ivec b = iload(qp + j * (kQuad / (kVecs / 2)));
+            wv[2 * j] = inib_lo(b);
+            wv[2 * j + 1] = inib_hi(b);
+          }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          int32_t x4;
+          std::memcpy(&x4, xq->q.data() + (m0 + m) * K + g * kGroup + 4 * qd, 4);
+          const ivec xb = iset1(x4);
+#pragma GCC unroll 4
+          for (int j = 0; j < kVecs; ++j)
+            is[m][j] = idot(is[m][j], wv[j], F == kQ8_0 ? isign8(xb, sg[j]) : xb);
+        }
+      }
+      const uint16_t* h = (const uint16_t*)p;
+      vec dw[kVecs], mw[kVecs];
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) {
+        dw[j] = vload_f16(h + kLanes * col(j));
+        if constexpr (F == kQ4_1) mw[j] = vload_f16(h + kBlock + kLanes * col(j));
+        if constexpr (F == kQ4_0) mw[j] = vmul(dw[j], vset1(-8.0f));
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const vec dx = vset1(xq->d[(m0 + m) * G + g]);
+        const vec sx = vset1(xq->s[(m0 + m) * G + g]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kVecs; ++j) {
+          float* a = acc[m] + kLanes * col(j);
+          vec v = vfma(vmul(dw[j], dx), icvt(is[m][j]), vload(a));
+          if constexpr (kMin) v = vfma(mw[j], sx, v);
+          vstore(a, v);
+        }
+      }
+    }
+    for (int j = 0; j < kVecs; ++j) {
+      const vmask mk = vmask_first(ncols - kLanes * j);
+      if (!vmask_any(mk)) break;
+      const vec bv = bias != nullptr ? vload_masked(mk, bias + blk * kBlock + kLanes * j) : vzero();
+      for (int m = 0; m < M; ++m) {
+        vec v = vload(acc[m] + kLanes * j);
+        if (bias != nullptr) v = vadd(v, bv);
+        vstore_masked(y + (m0 + m) * ldy + kLanes * j, mk, v);
+      }
+    }
+  }
+
+  template <int R>
+  void tile_rows(int64_t m0, int64_t m, int64_t blk, float* y, int64_t ldy, int64_t ncols) const {
+    if constexpr (R > 1) {
+      if (m < R) return tile_rows<R - 1>(m0, m, blk, y, ldy, ncols);
+    }
+    tile<R>(m0, blk, y, ldy, ncols);
+  }
+};
+
+template <int F>
+void linear_i8(const uint8_t* w, const float* x, int64_t M, int64_t K, int64_t N,
+               const float* bias, float* y, int threads) {
+  RowQuant xq;
+  xq.run(x, M, K);
+  const QuantI8<F> op{w, bias, K, &xq};
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t ncols = N - b * kBlock;
+    float* yb = y + b * kBlock;
+    for (int64_t m0 = 0; m0 < M; m0 += kI8Rows) {
+      const int64_t m = M - m0 < kI8Rows ? M - m0 : kI8Rows;
+      op.template tile_rows<kI8Rows>(m0, m, b, yb, N, ncols);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int adaserve_skinny_block() { return (int)kBlock; }
@@ -310,5 +475,27 @@ extern "C" void adaserve_quant_linear(const float* x, int64_t M, int64_t K, cons
     case kQ4_0: return linear(Quant<kQ4_0>{w, bias, K}, x, M, N, y, threads);
     case kQ4_1: return linear(Quant<kQ4_1>{w, bias, K}, x, M, N, y, threads);
     case kQ8_0: return linear(Quant<kQ8_0>{w, bias, K}, x, M, N, y, threads);
+  }
+}
+
+// The int8-activation path: packed in QuantI8's layout, group bytes from
+// adaserve_quant_i8_group_bytes.
+extern "C" int64_t adaserve_quant_i8_group_bytes(int format) {
+  switch (format) {
+    case kQ4_0: return QuantI8<kQ4_0>::kBytes;
+    case kQ4_1: return QuantI8<kQ4_1>::kBytes;
+    case kQ8_0: return QuantI8<kQ8_0>::kBytes;
+    default: return 0;
+  }
+}
+
+extern "C" void adaserve_quant_i8_linear(const float* x, int64_t M, int64_t K, const void* packed,
+                                         int format, int64_t N, const float* bias, float* y,
+                                         int threads) {
+  const uint8_t* w = (const uint8_t*)packed;
+  switch (format) {
+    case kQ4_0: return linear_i8<kQ4_0>(w, x, M, K, N, bias, y, threads);
+    case kQ4_1: return linear_i8<kQ4_1>(w, x, M, K, N, bias, y, threads);
+    case kQ8_0: return linear_i8<kQ8_0>(w, x, M, K, N, bias, y, threads);
   }
 }
