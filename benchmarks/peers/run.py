@@ -21,8 +21,9 @@ OUT/peers.png, and each bench run's files under OUT/<server>/rps<R>/.
     .venv/bin/python benchmarks/peers/run.py --out benchmarks/peers/results/<name>
     .venv/bin/python benchmarks/peers/run.py --smoke --out /tmp/peers-smoke   # adaserve only
 
-`--smoke` needs no llama.cpp: adaserve all-in-one only, 8 tokens, one round, one rate
-for a few seconds; llama-server and vLLM get "skipped" rows. A server that is not there
+`--smoke` needs no llama.cpp: adaserve all-in-one only with a fixed baseline TPOT (no
+startup calibration), 8 tokens, one round, one rate for a few seconds; the other servers
+get "skipped" rows. A server that is not there
 (llama-server not built, vLLM not installed) gets a row that says so.
 """
 
@@ -167,7 +168,10 @@ def start_server(name: str, args: argparse.Namespace, port: int, out: Path) -> s
         up += ["--metrics-port", "0"]
         if name == "adaserve-aio":
             up.append("--all-in-one")
-        return start_up(up, port, log)
+        # --smoke: a fixed baseline TPOT skips the startup measurements (baseline and
+        # latency curve, minutes on a busy 2-core host)
+        env = {"ADASERVE_SLO__BASELINE_TPOT_MS": "100"} if args.smoke else None
+        return start_up(up, port, log, env=env)
     if name == "llama-server":
         from adaserve.model.embedded import embedded_gguf
 
@@ -409,8 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="out/peers")
     p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
     p.add_argument("--workload", default="workloads/cpu-embedded.yaml")
-    p.add_argument("--rates", nargs="+", type=float, help="req/s (default: the workload's "
-                   "sweeps.rps)")
+    p.add_argument(
+        "--rates", nargs="+", type=float, help="req/s (default: the workload's sweeps.rps)"
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of trace per rate")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
@@ -419,8 +424,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t")
     p.add_argument("--ctx", type=int, default=8192, help="llama-server -c (8 slots share it)")
-    p.add_argument("--llama-version", default=DEFAULT_LLAMA_VERSION,
-                   help="llama-cpp-python version whose vendored llama.cpp was built")
+    p.add_argument(
+        "--llama-version",
+        default=DEFAULT_LLAMA_VERSION,
+        help="llama-cpp-python version whose vendored llama.cpp was built",
+    )
     p.add_argument("--llama-server", help="llama-server binary (default: the build cache)")
     p.add_argument("--config", default="configs/embedded-cpu.yaml", help="adaserve settings")
     p.add_argument("--drafter", default="embedded", help="adaserve's drafter")
