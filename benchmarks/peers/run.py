@@ -256,9 +256,12 @@ def bench_serve(url: str, rps: float, args: argparse.Namespace, out_dir: Path, l
     }
 
 
+def layout(name: str, args: argparse.Namespace) -> str:
+    return LAYOUTS[name].format(threads=args.threads, ctx=args.ctx)
+
+
 def measure(name: str, args: argparse.Namespace, ids: list[int], out: Path) -> Row:
-    layout = LAYOUTS[name].format(threads=args.threads, ctx=args.ctx)
-    row = Row(name, layout)
+    row = Row(name, layout(name, args))
     why = unavailable(name, args)
     if why:
         row.status = why
@@ -470,9 +473,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         | {"repeats": args.repeats, "threads": args.threads, "ctx": args.ctx, "smoke": args.smoke},
     }
-    rows = [measure(name, args, meta["prompt_ids"], out) for name in args.servers]
-    meta["machine"]["load_after"] = list(os.getloadavg())
-    paths = write_report(rows, args, meta, out)
+    rows: list[Row] = []
+    paths: list[Path] = []
+    for i, name in enumerate(args.servers):
+        rows.append(measure(name, args, meta["prompt_ids"], out))
+        # written after every server: a run cut short keeps what it measured
+        pending = [Row(n, layout(n, args), "not run yet") for n in args.servers[i + 1 :]]
+        meta["machine"]["load_after"] = list(os.getloadavg())
+        paths = write_report(rows + pending, args, meta, out)
     print((out / "peers.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.status == "ok" or r.status.startswith("skipped") for r in rows) else 1
