@@ -72,6 +72,7 @@ class Row:
     tok_s: dict[int, float] = field(default_factory=dict)  # concurrency -> median tok/s
     tok_s_rounds: dict[int, list[float]] = field(default_factory=dict)
     rates: dict[float, dict] = field(default_factory=dict)  # rps -> summary subset
+    measured: str = ""  # when (UTC) and at what load average this row was measured
 
 
 def cache_dir() -> Path:
@@ -262,6 +263,7 @@ def layout(name: str, args: argparse.Namespace) -> str:
 
 def measure(name: str, args: argparse.Namespace, ids: list[int], out: Path) -> Row:
     row = Row(name, layout(name, args))
+    started, load0 = now(), os.getloadavg()[0]
     why = unavailable(name, args)
     if why:
         row.status = why
@@ -287,7 +289,24 @@ def measure(name: str, args: argparse.Namespace, ids: list[int], out: Path) -> R
         print(f"{name}: {row.status}", flush=True)
     finally:
         stop_up(proc)
+    row.measured = f"{started}, load {load0:.1f}-{os.getloadavg()[0]:.1f}"
     return row
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def load_rows(path: Path) -> list[Row]:
+    """The rows of an earlier peers.json (`--merge`)."""
+    rows = []
+    for d in json.loads(path.read_text())["rows"]:
+        row = Row(d["server"], d["layout"], d["status"], measured=d.get("measured", ""))
+        row.tok_s = {int(c): v for c, v in d["tok_s"].items()}
+        row.tok_s_rounds = {int(c): v for c, v in d["tok_s_rounds"].items()}
+        row.rates = {float(k): v for k, v in d["rates"].items()}
+        rows.append(row)
+    return rows
 
 
 # ---- report --------------------------------------------------------------------------
@@ -384,6 +403,10 @@ def write_report(rows: list[Row], args: argparse.Namespace, meta: dict, out: Pat
         "",
         table(rows, args.concurrency, args.rates),
         "",
+        "Measured: "
+        + "; ".join(f"{r.server} {r.measured}" for r in rows if r.measured)
+        + " (load: 1-minute load average at start and end).",
+        "",
         f"`{meta['command']}`",
         "",
     ]
@@ -399,6 +422,7 @@ def write_report(rows: list[Row], args: argparse.Namespace, meta: dict, out: Pat
                 "tok_s": {str(c): v for c, v in r.tok_s.items()},
                 "tok_s_rounds": {str(c): v for c, v in r.tok_s_rounds.items()},
                 "rates": {f"{k:g}": v for k, v in r.rates.items()},
+                "measured": r.measured,
             }
             for r in rows
         ],
@@ -438,6 +462,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-model", default=None, help="vLLM --model (default: the GGUF)")
     p.add_argument("--vllm-tokenizer", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--smoke", action="store_true", help="adaserve all-in-one only, cheap")
+    p.add_argument(
+        "--merge",
+        help="an earlier peers.json: its rows of servers not measured now join the table "
+        "(each row says when it was measured)",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.max_tokens, args.repeats, args.concurrency = 8, 1, [1, 2]
@@ -461,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)  # the workload's and config's relative paths
     out = Path(args.out).resolve() if Path(args.out).is_absolute() else ROOT / args.out
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": now(),
         "commit": git_commit(),
         "machine": machine(),
         "llama_cpp_python": args.llama_version,
@@ -473,14 +502,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         | {"repeats": args.repeats, "threads": args.threads, "ctx": args.ctx, "smoke": args.smoke},
     }
-    rows: list[Row] = []
+    earlier = {r.server: r for r in load_rows(Path(args.merge))} if args.merge else {}
+    done: dict[str, Row] = {}
     paths: list[Path] = []
-    for i, name in enumerate(args.servers):
-        rows.append(measure(name, args, meta["prompt_ids"], out))
+    for name in args.servers:
+        done[name] = measure(name, args, meta["prompt_ids"], out)
         # written after every server: a run cut short keeps what it measured
-        pending = [Row(n, layout(n, args), "not run yet") for n in args.servers[i + 1 :]]
+        rows = [
+            done.get(n) or earlier.get(n) or Row(n, layout(n, args), "not run yet")
+            for n in SERVERS
+            if n in args.servers or n in earlier
+        ]
         meta["machine"]["load_after"] = list(os.getloadavg())
-        paths = write_report(rows + pending, args, meta, out)
+        paths = write_report(rows, args, meta, out)
+    rows = list(done.values())
     print((out / "peers.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.status == "ok" or r.status.startswith("skipped") for r in rows) else 1
