@@ -384,14 +384,14 @@ class Engine:
             settings.engine.max_model_len or target.max_model_len,
             self.kv_tokens - scratch,
         )
-        baseline = self.baseline_tpot_ms
-        self.tspec = _TSpecPredictor(baseline, settings.scheduler.correction_factor)
+        base_ms = self.baseline_tpot_ms
+        self.tspec = _TSpecPredictor(base_ms, settings.scheduler.correction_factor)
         if latency is None:
             curve = settings.engine.latency_curve
             latency = ForwardLatency(
                 Curve(tuple(curve.tokens), tuple(curve.ms), curve.context_ms)
                 if curve is not None
-                else Curve.knee(baseline, settings.scheduler.budget)
+                else Curve.knee(base_ms, settings.scheduler.budget)
             )
         self.latency = latency
         self._draft_ms = 0.0  # EWMA of a drafting iteration's speculate phase

@@ -348,7 +348,10 @@ def _observed(done: list[RequestRecord], classes: list[str]) -> str:
     """The title states what this run shows, not what it is meant to show: each class's
     median TPOT against its SLO (tightest SLO first), and whether the medians came out
     in the SLOs' order."""
-    medians = {c: float(np.median([r.tpot_ms for r in done if r.slo_class == c])) for c in classes}
+    medians = {
+        c: float(np.median([t for r in done if r.slo_class == c and (t := r.tpot_ms) is not None]))
+        for c in classes
+    }
     parts = [f"{c} p50 {medians[c]:.0f} ms (SLO {_slo_of(done, c):.0f})" for c in classes]
     if len(classes) < 2:
         return "; ".join(parts) or "no finished request"

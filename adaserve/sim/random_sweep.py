@@ -166,15 +166,18 @@ def draw_workload(seed: int, index: int, duration_s: float = 60.0) -> Workload:
         + f" p{c['prompt_tokens']['mean']:.0f}/o{c['output_tokens']['mean']:.0f}"
         for c in classes.values()
     )
-    return Workload(
-        name=f"random-{seed}-{index}",
-        description=f"{profile_name}; {desc}; {names}",
-        profile=profile_name,
-        duration_s=duration_s,
-        seed=seed,
-        arrivals=arrivals,
-        classes=classes,
-        settings={"engine": {"max_running": 64}},
+    # Validated as a workload file would be: the plain dicts become its typed parts.
+    return Workload.model_validate(
+        {
+            "name": f"random-{seed}-{index}",
+            "description": f"{profile_name}; {desc}; {names}",
+            "profile": profile_name,
+            "duration_s": duration_s,
+            "seed": seed,
+            "arrivals": arrivals,
+            "classes": classes,
+            "settings": {"engine": {"max_running": 64}},
+        }
     )
 
 
