@@ -281,7 +281,7 @@ class ModelSettings(BaseModel):
     # than "float32", logits within the activation rounding of the float32 ones (a
     # row's result still never depends on the rows beside it, so speculation stays
     # lossless). "float32": the weights dequantized exactly, the same logits as "none".
-    stored_activations: Literal["float32", "int8"] = "int8"
+    stored_activations: Literal["float32", "int8"] = "float32"
     # "int8": where the drafter runs on a CPU, its linear layers run as dynamic int8
     # (about twice as fast a draft step; output unchanged, the target verifies every
     # token). Ignored on a GPU, so one settings file serves both.

@@ -135,7 +135,7 @@ def load_runner(
     quantization: str = "none",
     cpu_kernel: str = "auto",
     prefix_caching: bool = True,
-    stored_activations: str = "int8",
+    stored_activations: str = "float32",
 ) -> ModelRunner | TPRunner:
     """Load a runner. `tp > 1` starts tp-1 worker processes (this process is rank 0)
     and returns a TPRunner with the same interface. `quantization`: "none", "int8"
@@ -188,7 +188,7 @@ def build_runner(
     quantization: str = "none",
     cpu_kernel: str = "auto",
     prefix_caching: bool = True,
-    stored_activations: str = "int8",
+    stored_activations: str = "float32",
 ) -> ModelRunner:
     """Build this rank's runner from a resolved HF directory."""
     cfg = ModelConfig.from_dir(path)
