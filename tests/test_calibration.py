@@ -4,7 +4,9 @@ and the metric follow (adaserve/calibration.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -64,6 +66,11 @@ def test_retries_wait_for_idle_time_and_back_off() -> None:
 
 
 def _spin(stop) -> None:
+    # Ahead of the engine's threads where allowed (root): a measurement window of a tiny
+    # model's steps lasts milliseconds, and spinners at the same priority can leave one
+    # window almost undisturbed, which the fastest-window rule then keeps.
+    with contextlib.suppress(PermissionError):
+        os.nice(-10)
     while not stop.is_set():
         pass
 
@@ -100,7 +107,7 @@ def test_a_baseline_measured_on_a_busy_host_is_replaced_once_it_is_quiet(tmp_pat
     assert busy is not None and busy.source == "measured" and not busy.settled
     engine.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # retries at 10, 30 and 70 s of idle time
         while time.monotonic() < deadline:
             now = engine.info().baseline
             assert now is not None
