@@ -67,25 +67,13 @@ class Baseline:
         )
 
 
-def busy(state: cpu_load.CpuState) -> bool:
-    """The host's load would disturb a measurement (the startup warning's test)."""
-    return state.load_1m >= cpu_load.BUSY_SHARE * state.cores
-
-
 def remeasured(current: Baseline, tpot_ms: float, state: cpu_load.CpuState) -> Baseline:
     """`current` after a re-measurement of `tpot_ms` on a host in `state`: the faster
     value replaces it (past ADOPT_SHARE), and a quiet host settles it either way."""
-    quiet = not busy(state)
+    quiet = not cpu_load.busy(state)
     if tpot_ms < ADOPT_SHARE * current.tpot_ms:
-        return Baseline(
-            tpot_ms,
-            "measured",
-            measured_at=time.time(),
-            load_1m=state.load_1m,
-            cores=state.cores,
-            settled=quiet,
-            recalibrations=current.recalibrations + 1,
-        )
+        fresh = Baseline.measured(tpot_ms, state)
+        return replace(fresh, settled=quiet, recalibrations=current.recalibrations + 1)
     return replace(current, settled=quiet)
 
 

@@ -44,13 +44,18 @@ def current(torch_threads: int | None = None) -> CpuState:
     return CpuState(cores, load, torch_threads)
 
 
+def busy(state: CpuState) -> bool:
+    """The load average already fills BUSY_SHARE of the usable cores: a forward waits
+    for a core about as often as it runs, and a timing taken now reads slow."""
+    return state.load_1m >= BUSY_SHARE * state.cores
+
+
 def oversubscription(state: CpuState, computing_processes: int = 1) -> list[str]:
     """Warnings (empty when the CPU looks free) for `computing_processes` torch
     processes that compute at the same time (verifier units x TP ranks; a drafter
     waits while its verifier computes and does not count) on `state`."""
     out = []
-    busy = BUSY_SHARE * state.cores
-    if state.load_1m >= busy:
+    if busy(state):
         out.append(
             f"the CPU is already busy: load average {state.load_1m:.1f} over the last "
             f"minute on {state.cores} usable core(s). Every forward shares them (20-40x "
