@@ -80,7 +80,11 @@ def test_a_baseline_measured_on_a_busy_host_is_replaced_once_it_is_quiet(tmp_pat
     """The user's case: `make up` while the laptop is busy. Busy-loop processes hold
     every core while the engine measures its baseline; they stop, the engine idles, and
     the baseline it reports afterwards is the quiet host's."""
-    target = make_served_model(tmp_path / "target")
+    # Wide enough that a measurement window (5 batch-8 steps) lasts tens of ms: a tiny
+    # model's window of ~1 ms can slip between the spinners' time slices undisturbed.
+    target = make_served_model(
+        tmp_path / "target", hidden_size=512, intermediate_size=1536, num_hidden_layers=6
+    )
     settings = Settings(
         model={"target": str(target), "drafter": None, "device": "cpu", "dtype": "float32"},
         engine={"kv_memory_gb": 0.05},
