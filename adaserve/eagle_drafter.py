@@ -24,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from adaserve.drafter import DraftUpdate
 from adaserve.model.eagle import EagleRunner
 from adaserve.model.runner import SeqInput
-from adaserve.speculate import BeamDrafter, DraftUpdate
+from adaserve.speculate import BeamDrafter
 
 HIDDEN_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 

@@ -17,11 +17,12 @@ from typing import Any
 from adaserve import cpu_load, metrics
 from adaserve.calibration import Baseline, Remeasure
 from adaserve.config import SchedulerSettings, Settings
+from adaserve.drafter import Drafter
 from adaserve.engine import Engine
 from adaserve.ngram import NgramDrafter, NgramParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler, Scheduler
-from adaserve.speculate import BeamDrafter, Drafter
-from adaserve.target import RunnerTarget
+from adaserve.speculate import BeamDrafter
 
 log = logging.getLogger("adaserve.engine")
 

@@ -19,11 +19,9 @@ import numpy as np
 
 from adaserve import metrics
 from adaserve.checks import check_selection, check_trees
-from adaserve.eagle_drafter import EagleDrafter
-from adaserve.ngram import NgramDrafter
+from adaserve.drafter import Drafter, DrafterStateLost, DraftUpdate
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, Selection, SelectionParams
-from adaserve.speculate import BeamDrafter, Drafter, DrafterStateLost, DraftUpdate
 from adaserve.tree import CandidateTree, TreeBatch
 
 log = logging.getLogger("adaserve.engine")
@@ -65,7 +63,7 @@ class FallbackDrafter:
         self._releases: list[str] = []
         # Our own beam search's trees are not re-validated on the hot path (select()
         # checks the structure of whatever it is given anyway); another process's are.
-        self._trusted = isinstance(drafter, BeamDrafter | NgramDrafter | EagleDrafter)
+        self._trusted = bool(getattr(drafter, "trusted", False))
 
     def speculate(
         self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0

@@ -79,8 +79,11 @@ class ForwardLatency:
 
     base: Callable[[int, int, float], float]
     alpha: float = 0.3  # weight of each new observation
-    _decode: dict[int, float] = field(default_factory=dict, repr=False)
+    _decode: BucketedEWMA = field(init=False, repr=False)
     _log_drift: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._decode = BucketedEWMA(self.alpha)
 
     @property
     def drift(self) -> float:
@@ -90,7 +93,7 @@ class ForwardLatency:
     def decode_ms(self, tree_tokens: int) -> float:
         if tree_tokens <= 0:
             return 0.0
-        return self._decode.get(_bucket(tree_tokens), self.base(tree_tokens, 0, 0.0))
+        return self._decode.get(tree_tokens, self.base(tree_tokens, 0, 0.0))
 
     def prefill_ms(self, tree_tokens: int, prefill_tokens: int, context: float = 0.0) -> float:
         """What `prefill_tokens` add to a forward of `tree_tokens` (all of it without)."""
@@ -105,9 +108,7 @@ class ForwardLatency:
         if not (ms > 0 and math.isfinite(ms)):
             return
         if prefill_tokens <= 0:
-            bucket = _bucket(tree_tokens)
-            prev = self._decode.get(bucket, ms)
-            self._decode[bucket] = prev + self.alpha * (ms - prev)
+            self._decode.observe(tree_tokens, ms)
             return
         expected = self._marginal(tree_tokens, prefill_tokens, context)
         if expected <= 0:
@@ -120,6 +121,24 @@ class ForwardLatency:
     def _marginal(self, tree_tokens: int, prefill_tokens: int, context: float) -> float:
         full = self.base(tree_tokens, prefill_tokens, context)
         return full - self.base(tree_tokens, 0, 0.0) if tree_tokens > 0 else full
+
+
+@dataclass
+class BucketedEWMA:
+    """An exponentially weighted mean of a time per power-of-two token-count bucket:
+    iterations of 5 and 8 tokens cost about the same, so they share one estimate, and a
+    bucket not measured yet answers with the caller's prior."""
+
+    alpha: float = 0.3  # weight of each new observation
+    _ms: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def get(self, tokens: int, prior: float) -> float:
+        return self._ms.get(_bucket(tokens), prior)
+
+    def observe(self, tokens: int, ms: float) -> None:
+        bucket = _bucket(tokens)
+        prev = self._ms.get(bucket, ms)
+        self._ms[bucket] = prev + self.alpha * (ms - prev)
 
 
 def _bucket(n: int) -> int:

@@ -17,26 +17,13 @@ mask; -inf commutes with the rest). Temperature, min_p, top-k and top-p follow i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from adaserve.request import SamplingParams, TokenLogprobs
+from adaserve.target import LogitsContext
 
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class LogitsContext:
-    """What one request's rows need: its settings, its committed history and, with
-    structured output, the grammar's mask at every row."""
-
-    sampling: SamplingParams
-    prompt: np.ndarray  # int32 [P]
-    output: np.ndarray  # int32 [G]: tokens generated so far (committed)
-    stop_ids: tuple[int, ...]  # what min_tokens holds back: eos unless ignore_eos, stop ids
-    masks: np.ndarray | None = None  # int32 [rows, ceil(V / 32)] bitmask per row; None: none
 
 
 def path_tokens(parents: np.ndarray, tokens: np.ndarray) -> list[list[int]]:

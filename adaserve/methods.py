@@ -83,6 +83,11 @@ def uses_drafter(source: str) -> bool:
     return source.split("+")[0] in ("model", "eagle")
 
 
+def uses_ngram(source: str) -> bool:
+    """Whether a tree from `source` holds the n-gram drafter's nodes."""
+    return source.split("+")[-1] == "ngram"
+
+
 def check_available(method: str, available: Iterable[str]) -> None:
     available = tuple(available)
     if method not in available:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaserve.speculate import DrafterStateLost, DraftUpdate
+from adaserve.drafter import DrafterStateLost, DraftUpdate
 from adaserve.tree import CandidateTree
 
 
@@ -169,6 +169,8 @@ def continuation_tree(
 class NgramDrafter:
     """`Drafter` over each request's own tokens (module doc). Thread-compatible like
     the other drafters: the engine calls it from its loop thread only."""
+
+    trusted = True  # its trees are well-formed by construction (adaserve/drafter.py)
 
     def __init__(self, params: NgramParams | None = None) -> None:
         self.params = params or NgramParams()

@@ -31,57 +31,18 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from adaserve import metrics
+from adaserve.drafter import DrafterStateLost, DrafterStats, DraftUpdate
 from adaserve.model.block_manager import KVCacheFull
 from adaserve.tree import CandidateTree
 
 # Conditional log-probs are floored here so trees stay finite when the drafter gives a
 # token zero probability (f = exp(-1e4) is 0 for selection anyway).
 _LOGQ_FLOOR = -1.0e4
-
-
-@dataclass(frozen=True)
-class DraftUpdate:
-    id: str
-    new_tokens: np.ndarray  # int32: tokens committed since the last call (first call: all)
-    total_len: int  # committed length after applying new_tokens (drift check)
-    # Take the tokens into the draft KV and draft nothing (a prompt being prefilled in
-    # chunks: the drafter prefills the same chunk in the same iteration).
-    ingest: bool = False
-    # An EAGLE drafter's input (adaserve/eagle_drafter.py): the target's features
-    # [len(new_tokens), F*H] (float16 or float32), row i those of the position before
-    # new_tokens[i] (zeros before position 0). None for every other drafter.
-    hidden: np.ndarray | None = None
-
-
-class DrafterStateLost(RuntimeError):
-    """The drafter has no (or inconsistent) state for `ids`: the engine re-sends those
-    requests' full token history. Raised before any request's state changes."""
-
-    def __init__(self, ids: Sequence[str]) -> None:
-        self.ids = list(ids)
-        super().__init__(f"drafter state lost for {len(self.ids)} request(s): {self.ids[:8]}")
-
-
-@dataclass(frozen=True)
-class DrafterStats:
-    num_sequences: int  # requests holding draft state
-    kv_usage: float  # fraction of the draft KV cache in use, 0..1
-
-
-class Drafter(Protocol):
-    def speculate(
-        self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
-    ) -> list[CandidateTree]: ...
-
-    def release(self, ids: list[str]) -> None: ...
 
 
 class BeamDrafter:
@@ -91,6 +52,8 @@ class BeamDrafter:
     target token ids; by default it is taken from `runner.draft_to_target` when the
     runner has one, else the head is the target vocabulary itself.
     """
+
+    trusted = True  # its trees are well-formed by construction (adaserve/drafter.py)
 
     def __init__(self, runner, draft_to_target: torch.Tensor | np.ndarray | None = None) -> None:
         self.runner = runner

@@ -25,35 +25,20 @@ reports "stop".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from adaserve import sampling
-from adaserve.request import SamplingParams, TokenLogprobs
+from adaserve.request import SamplingParams
 from adaserve.sampling import TokenRng
+from adaserve.target import VerifyResult
 from adaserve.tree import CandidateTree
 
 # TokenRng: reproducible and speculation-independent. torch.Generator: one fresh key is
 # drawn from it per call (lossless, reproducible only for identical call sequences).
 # None: fresh entropy.
 Rng = TokenRng | torch.Generator | None
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    # emitted_tokens[i] is the target's choice at accepted_nodes[i]: so accepted_nodes is
-    # what the runner commits (keep=accepted_nodes) and emitted_tokens[-1] is the next root.
-    accepted_nodes: np.ndarray  # int32 [m]: 0, then accepted drafted nodes in path order
-    emitted_tokens: np.ndarray  # int32 [m]: accepted drafted tokens, then the bonus token
-    finish_reason: str | None = None  # None | "stop" (stop token emitted) | "length"
-    logprobs: TokenLogprobs | None = None  # of emitted_tokens, when the request asked
-
-    @property
-    def num_accepted_drafts(self) -> int:
-        """Drafted tokens the target agreed with (the bonus token excluded)."""
-        return int(self.accepted_nodes.shape[0]) - 1
 
 
 def _stream(rng: Rng) -> TokenRng:

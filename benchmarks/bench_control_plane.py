@@ -38,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from adaserve.config import Settings, load_settings  # noqa: E402
+from adaserve.drafter import Drafter  # noqa: E402
 from adaserve.engine import Engine  # noqa: E402
 from adaserve.request import GenerationRequest, SamplingParams  # noqa: E402
+from adaserve.runner_target import RunnerTarget  # noqa: E402
 from adaserve.scheduler import LocalScheduler, Scheduler  # noqa: E402
-from adaserve.speculate import Drafter  # noqa: E402
-from adaserve.target import RunnerTarget  # noqa: E402
 from benchmarks.control_plane_probes import (  # noqa: E402
     Iteration,
     Probe,

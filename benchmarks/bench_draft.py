@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from adaserve.drafter import DraftUpdate  # noqa: E402
 from adaserve.model.loader import load_runner  # noqa: E402
-from adaserve.speculate import BeamDrafter, DraftUpdate  # noqa: E402
+from adaserve.speculate import BeamDrafter  # noqa: E402
 
 SMOL_SHAPE = dict(
     vocab_size=49152,

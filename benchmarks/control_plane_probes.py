@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from adaserve.drafter import Drafter, DraftUpdate
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, Selection, SelectionParams
-from adaserve.speculate import Drafter, DraftUpdate
 from adaserve.tree import CandidateTree
 
 

@@ -10,9 +10,9 @@ from adaserve.config import load_settings
 from adaserve.engine import Engine
 from adaserve.model.loader import load_runner
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
 from tests.conftest import make_tiny_model
 
 
@@ -59,7 +59,11 @@ def make_engine(target_dir, drafter_dir=None, **overrides) -> Engine:
     )
 
 
-def run_to_completion(engine: Engine, streams, max_steps: int = 2000, on_step=None) -> dict:
+def run_to_completion(
+    engine: Engine, streams, max_steps: int = 2000, on_step=None, reports=None
+) -> dict:
+    """Steps until every stream ends: tokens and finish reason per request id. Each
+    forward's IterationReport is appended to `reports` where given."""
     out = {s.request_id: [] for s in streams}
     done: dict[str, str] = {}
     for step in range(max_steps):
@@ -67,7 +71,8 @@ def run_to_completion(engine: Engine, streams, max_steps: int = 2000, on_step=No
             break
         if on_step is not None:
             on_step(step)
-        engine.step()
+        if (report := engine.step()) is not None and reports is not None:
+            reports.append(report)
         for s in streams:
             while (d := s.get(timeout=0)) is not None:
                 out[s.request_id].extend(d.token_ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaserve.speculate import DraftUpdate
+from adaserve.drafter import DraftUpdate
 from adaserve.tree import CandidateTree
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adaserve.drafter import DraftUpdate
 from adaserve.model.runner import SeqInput
 from adaserve.request import SamplingParams
 from adaserve.sampling import TokenRng
 from adaserve.selection import RequestProgress, SelectionParams, select
-from adaserve.speculate import DraftUpdate
 from adaserve.tree import CandidateTree
 from adaserve.verify import verify_batch, verify_tree
 

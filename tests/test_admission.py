@@ -13,12 +13,13 @@ import pytest
 
 from adaserve import metrics
 from adaserve.config import load_settings
+from adaserve.drafter import DraftUpdate
 from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainable
 from adaserve.model.loader import load_runner
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
-from adaserve.speculate import BeamDrafter, DraftUpdate
-from adaserve.target import RunnerTarget
+from adaserve.speculate import BeamDrafter
 from adaserve.tree import CandidateTree
 from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
 from tests.conftest import make_tiny_model

@@ -293,7 +293,7 @@ def assert_all_healthy(unit: Unit) -> None:
             health_pb2.HealthCheckRequest(), timeout=5
         )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
-    assert unit.engine._thread is not None and unit.engine._thread.is_alive()
+    assert unit.engine.loop_alive
 
 
 # ---- the verifier ---------------------------------------------------------------------

@@ -18,9 +18,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from adaserve.drafter import DrafterStateLost, DraftUpdate
 from adaserve.model.loader import load_runner
 from adaserve.rpc.v1 import drafter_pb2, drafter_pb2_grpc
-from adaserve.speculate import BeamDrafter, DrafterStateLost, DraftUpdate
+from adaserve.speculate import BeamDrafter
 from adaserve.tree import CandidateTree
 from services.common.convert import I32, packed
 from services.common.options import insecure_channel

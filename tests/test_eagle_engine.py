@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from adaserve.config import load_settings
+from adaserve.drafter import DraftUpdate
 from adaserve.eagle_drafter import EagleDrafter
 from adaserve.engine import Engine
 from adaserve.model.eagle import load_eagle_runner
 from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.model.runner import SeqInput
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
-from adaserve.speculate import DraftUpdate
-from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
 from tests._eagle import make_eagle_dir
 from tests._spec_loop import generate
@@ -108,16 +108,19 @@ def _engine(target, drafter, **engine):
     )
 
 
-def _run(engine, reqs, arrive_at=None):
+def _run(engine, reqs, arrive_at=None, sources=None):
     """Steps the engine until every request ends; request i is submitted at step
-    arrive_at[i]. Returns tokens per request id."""
+    arrive_at[i]. Returns tokens per request id; adds what drafted each verified tree
+    to `sources` where given."""
     arrive_at = arrive_at or [0] * len(reqs)
     streams, out = {}, {r.id: [] for r in reqs}
     for step in range(2000):
         for r, at in zip(reqs, arrive_at, strict=True):
             if at == step:
                 streams[r.id] = engine.submit(r)
-        engine.step()
+        report = engine.step()
+        if sources is not None and report is not None:
+            sources.update(report.sources.values())
         done = 0
         for rid, s in streams.items():
             while (d := s.get(timeout=0)) is not None:
@@ -216,7 +219,7 @@ def test_lost_state_is_recomputed_by_the_verifier(smol):
 
     def forget():  # once all have drafted: the drafter forgets everyone (a restart)
         if not forgotten and sum(not u.ingest for u in oracle.updates) >= 4:
-            forgotten.extend(i for i in inner._pending if i in engine._running)
+            forgotten.extend(i for i in inner._pending if i in engine.pool.running)
             inner.release(list(inner._pending))
 
     assert _step_until_done(engine, reqs, forget) == ref
@@ -267,17 +270,9 @@ def test_merged_eagle_and_ngram_trees_are_lossless(smol):
     )
     assert engine.info().speculation_methods == ("auto", "eagle", "ngram", "none")
     sources: set[str] = set()
-    speculate = engine._speculate
-
-    def spy(step):
-        trees = speculate(step)
-        sources.update(r.source for r in step.decoding)
-        return trees
-
-    engine._speculate = spy  # type: ignore[method-assign]
     methods = ["auto", "ngram", "eagle", "auto"]
     reqs = [_req(k, prompts[k], m, 30.0) for k, m in zip(prompts, methods, strict=True)]
-    assert _run(engine, reqs) == ref
+    assert _run(engine, reqs, sources=sources) == ref
     assert "eagle" in sources or "eagle+ngram" in sources, sources
 
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from adaserve.config import load_settings
+from adaserve.drafter import DraftUpdate
 from adaserve.eagle_drafter import EagleDrafter
 from adaserve.engine import Engine
 from adaserve.model.eagle import load_eagle_runner
 from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.rpc.v1 import drafter_pb2, drafter_pb2_grpc
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
-from adaserve.speculate import DraftUpdate
-from adaserve.target import RunnerTarget
 from services.common.convert import I32, packed, speculate_request_to_pb
 from services.common.options import insecure_channel
 from services.common.server import BackgroundServer

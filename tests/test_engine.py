@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from adaserve import fallback, metrics
-from adaserve.engine import Engine, EngineFull
+from adaserve.engine import Engine, EngineFull, output
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
@@ -459,7 +459,7 @@ def test_host_time_outside_the_model_phases_is_a_phase(target_dir, monkeypatch):
         )
 
     engine = make_engine(target_dir, None)
-    apply = engine._apply
+    apply = output.apply_tokens
     # The slow apply advances the engine's clock by 10 s instead of sleeping, so the
     # check holds however long a forward takes on a loaded machine.
     skew = [0.0]
@@ -469,12 +469,12 @@ def test_host_time_outside_the_model_phases_is_a_phase(target_dir, monkeypatch):
         skew[0] += 10.0
         return apply(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_apply", slow_apply)
+    monkeypatch.setattr(output, "apply_tokens", slow_apply)
     (h0, n0), (t0, _) = sample("host"), sample("total")
-    iterations = engine._iterations
+    iterations = engine.stats().iterations
     run_to_completion(engine, [engine.submit(req(0, PROMPTS[0], 6, 50.0))])
     (h1, n1), (t1, _) = sample("host"), sample("total")
-    steps = engine._iterations - iterations
+    steps = engine.stats().iterations - iterations
     assert steps >= 5 and n1 - n0 == steps  # one observation per decode iteration
     assert h1 - h0 >= steps * 10.0  # every step's slow apply
     assert t1 - t0 < 10.0  # the decode phases (a tiny model's forwards) do not see it

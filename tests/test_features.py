@@ -8,9 +8,9 @@ import torch
 
 from adaserve.features import FeatureRows
 from adaserve.request import SamplingParams
-from adaserve.target import ForwardResult, PrefillChunk, VerifyItem, _with_features
+from adaserve.runner_target import _with_features
+from adaserve.target import ForwardResult, PrefillChunk, VerifyItem, VerifyResult
 from adaserve.tree import CandidateTree
-from adaserve.verify import VerifyResult
 
 
 def rows(start: int, n: int, dim: int = 3) -> np.ndarray:

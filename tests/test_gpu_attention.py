@@ -64,9 +64,10 @@ def test_runner_logits_triton_equal_reference(tiny_llama_dir) -> None:
 
 
 def test_graphed_draft_steps_equal_eager(tiny_llama_dir) -> None:
+    from adaserve.drafter import DraftUpdate
     from adaserve.model.cuda_graphs import install_draft_graphs
     from adaserve.model.loader import load_runner
-    from adaserve.speculate import BeamDrafter, DraftUpdate
+    from adaserve.speculate import BeamDrafter
 
     rng = np.random.default_rng(0)
     hist = [rng.integers(0, 256, int(rng.integers(3, 30))).astype(np.int32) for _ in range(6)]

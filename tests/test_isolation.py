@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from adaserve import metrics
-from adaserve.engine import Engine
+from adaserve.engine import Engine, output
+from adaserve.engine.state import Request
 from adaserve.isolation import MAX_STRIKES, Quarantine
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
@@ -170,23 +171,23 @@ def test_a_failure_in_one_requests_own_work_ends_it_alone(target_dir, monkeypatc
     engine = make_engine(target_dir, target_dir)
     streams = _submit_three(engine)
     if where == "apply":
-        apply = engine._apply
+        apply = output.apply_tokens
 
-        def failing_apply(r, *args, **kwargs):
+        def failing_apply(eng, r, *args, **kwargs):
             if r.req.id == BAD and r.num_generated >= 3:
                 raise RuntimeError("stop check blew up")
-            return apply(r, *args, **kwargs)
+            return apply(eng, r, *args, **kwargs)
 
-        monkeypatch.setattr(engine, "_apply", failing_apply)
+        monkeypatch.setattr(output, "apply_tokens", failing_apply)
     elif where == "constrain":
-        context = engine._logits_context
+        context = Request.logits_context
 
         def failing_context(r, masks):
             if r.req.id == BAD and r.num_generated >= 3:
                 raise IndexError("grammar matcher state lost")
             return context(r, masks)
 
-        monkeypatch.setattr(engine, "_logits_context", failing_context)
+        monkeypatch.setattr(Request, "logits_context", failing_context)
     phase = "apply" if where == "stream" else where
     before = _errors(phase)
     if where == "stream":  # the client's stream callback raises on its 3rd delta
@@ -201,7 +202,7 @@ def test_a_failure_in_one_requests_own_work_ends_it_alone(target_dir, monkeypatc
 
         monkeypatch.setattr(bad, "put", failing_put)
         res = run_to_completion(engine, [streams[0], streams[2]])
-        assert BAD not in engine._running and calls[-1].finish_reason == "error"
+        assert BAD not in engine.pool.running and calls[-1].finish_reason == "error"
         res["finish"]["r1"] = "error"
     else:
         res = _error_message(engine, streams, monkeypatch)
@@ -233,7 +234,7 @@ def test_a_forward_that_fails_whenever_one_request_is_in_it_ends_that_request(
 
     def failing_forward(items, chunks):
         ids = [it.seq_id for it in items]
-        bad = BAD in ids and engine._running[BAD].num_generated >= 4
+        bad = BAD in ids and engine.pool.running[BAD].num_generated >= 4
         if bad and when == "before":
             failed.append(ids)
             raise RuntimeError("device-side assert: index out of range")
@@ -286,17 +287,17 @@ def test_a_logits_processor_raising_inside_the_real_forward_ends_its_request(
     """r1 asks for a presence penalty, and processing its rows (inside the target's
     forward, after the model ran: the trees' KV sits in scratch) raises once it has a
     few tokens. Nothing but that one call is patched: the bisection ends r1 alone."""
-    import adaserve.target
+    import adaserve.runner_target
 
     engine = make_engine(target_dir, target_dir)
-    process = adaserve.target.process_rows_
+    process = adaserve.runner_target.process_rows_
 
     def failing_process(rows, parents, tokens, ctx):
         if ctx.sampling.presence_penalty and len(ctx.output) >= 3:
             raise ValueError("penalty state out of range")
         return process(rows, parents, tokens, ctx)
 
-    monkeypatch.setattr(adaserve.target, "process_rows_", failing_process)
+    monkeypatch.setattr(adaserve.runner_target, "process_rows_", failing_process)
     before = _errors("batch")
     res = _error_message(engine, _submit_three(engine, presence_penalty=0.5), monkeypatch)
     assert res["errors"]["r1"] == "internal error in this request (batch: ValueError)"

@@ -79,15 +79,9 @@ def test_a_relaxed_request_gives_way_to_a_tight_one(target_dir) -> None:
     engine = make_engine(target_dir, None, engine={"kv_blocks": 7, "kv_watermark": 0.0})
     tight = engine.submit(chat(0, OWN[1], 40, 20.0))
     relaxed = engine.submit(chat(1, OWN[2], 40, 1e6))
-    preempted: set[str] = set()
-    preempt = engine._preempt
-
-    def record(r):
-        preempted.add(r.req.id)
-        preempt(r)
-
-    engine._preempt = record
-    res = run_to_completion(engine, [tight, relaxed])
+    reports = []
+    res = run_to_completion(engine, [tight, relaxed], reports=reports)
+    preempted = {rid for report in reports for rid in report.preempted}
     assert preempted == {"c1"}
     assert res["tokens"]["c0"] == hf_greedy(target_dir, [*SYSTEM, *OWN[1]], 40)
     assert res["tokens"]["c1"] == hf_greedy(target_dir, [*SYSTEM, *OWN[2]], 40)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,7 +77,7 @@ from adaserve.tree import CandidateTree
 
 def test_the_core_has_many_modules() -> None:
     names = {p.relative_to(CORE).as_posix() for p in core_modules()}
-    assert {"engine.py", "engine_build.py", "selection.py", "model/runner.py"} <= names
+    assert {"engine/core.py", "engine_build.py", "selection.py", "model/runner.py"} <= names
     assert not {"cli.py", "commands/up.py", "rpc/v1/scheduler_pb2_grpc.py"} & names
     assert len(names) > 60
 
@@ -158,3 +160,46 @@ def test_no_test_module_imports_another() -> None:
     # The checker sees both import forms.
     assert "tests.test_x" in imported_modules("import tests.test_x")
     assert "tests.test_x.f" in imported_modules("from tests.test_x import f")
+
+
+# The policy (the paper's tree, A(r), Algorithms 1 and 2, depth/width, batch planning,
+# method choice, routing), the interfaces of the drafter and the target, the engine with
+# its planner, and the simulator that runs it on modelled parts: none needs torch.
+TORCH_FREE = (
+    "adaserve.tree",
+    "adaserve.slo",
+    "adaserve.selection",
+    "adaserve.optimal",
+    "adaserve.adaptive",
+    "adaserve.batching",
+    "adaserve.latency",
+    "adaserve.methods",
+    "adaserve.routing",
+    "adaserve.scheduler",
+    "adaserve.drafter",
+    "adaserve.target",
+    "adaserve.engine.planner",
+    "adaserve.engine",
+    "adaserve.sim.driver",
+)
+
+
+def test_the_policy_the_engine_and_the_simulator_import_without_torch() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any import of torch now raises\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    __import__(name)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_torch_free_check_fails_on_a_module_that_imports_torch() -> None:
+    code = "import sys\nsys.modules['torch'] = None\nimport adaserve.runner_target\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0 and "torch" in proc.stderr

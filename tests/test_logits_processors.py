@@ -18,13 +18,14 @@ from transformers import (
 from adaserve import metrics
 from adaserve.config import load_settings
 from adaserve.engine import Engine
-from adaserve.logits_process import LogitsContext, path_tokens, process_rows, token_logprobs
+from adaserve.logits_process import path_tokens, process_rows, token_logprobs
 from adaserve.model.loader import load_runner
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.sampling import filtered_probs, row_min_p, row_params
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
+from adaserve.target import LogitsContext
 from adaserve.tree import CandidateTree
 from tests._engine import run_to_completion
 from tests.conftest import make_tiny_model

@@ -13,9 +13,9 @@ from adaserve.config import load_settings
 from adaserve.engine import Engine
 from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
 from tests._spec_loop import generate, hf_greedy, random_budget
 from tests._stats import single_thread
 from tests.conftest import make_tiny_model

@@ -14,13 +14,14 @@ import pytest
 from adaserve import metrics
 from adaserve.config import Settings, load_settings
 from adaserve.engine import Engine
+from adaserve.engine.admission import method_of
 from adaserve.methods import choose_source, scale_f
 from adaserve.model.loader import load_runner
 from adaserve.ngram import NgramDrafter
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
 from tests._engine import hf_greedy
 from tests._stats import single_thread
@@ -76,20 +77,13 @@ def run(engine: Engine, reqs: list[GenerationRequest]):
     streams = [engine.submit(r) for r in reqs]
     out = {r.id: [] for r in reqs}
     sources: dict[str, collections.Counter] = {r.id: collections.Counter() for r in reqs}
-    speculate = engine._speculate
-
-    def spy(step):
-        trees = speculate(step)
-        for r in step.decoding:
-            sources[r.req.id][r.source] += 1
-        return trees
-
-    engine._speculate = spy
     done = 0
     for _ in range(3000):
         if done == len(reqs):
             break
-        engine.step()
+        report = engine.step()
+        for rid, source in ({} if report is None else report.sources).items():
+            sources[rid][source] += 1
         for s in streams:
             while (d := s.get(timeout=0)) is not None:
                 out[s.request_id].extend(d.token_ids)
@@ -215,14 +209,11 @@ def test_method_from_the_request_then_its_class_then_the_default(target_dir):
     )
     prompt = _prompts(1)[0]
 
-    def method_of(r: GenerationRequest) -> str:
-        return engine._method(r)
-
     cls = GenerationRequest("a", tuple(prompt), SamplingParams(), 150.0, slo_class="summarize")
-    assert method_of(cls) == "ngram"
-    assert method_of(GenerationRequest("b", (1,), SamplingParams(), 50.0)) == "model"
+    assert method_of(engine, cls) == "ngram"
+    assert method_of(engine, GenerationRequest("b", (1,), SamplingParams(), 50.0)) == "model"
     own = GenerationRequest("c", (1,), SamplingParams(), 150.0, "summarize", speculation="none")
-    assert method_of(own) == "none"
+    assert method_of(engine, own) == "none"
 
 
 def test_bad_and_unavailable_methods_are_refused_naming_the_field(target_dir):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adaserve.drafter import DrafterStateLost, DraftUpdate
 from adaserve.ngram import NgramDrafter, NgramParams, SuffixIndex, continuation_tree
-from adaserve.speculate import DrafterStateLost, DraftUpdate
 from adaserve.tree import CandidateTree, TreeError, merge_trees
 
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from adaserve.engine.prepare import preempt
+from adaserve.engine.recovery import resync
 from adaserve.request import GenerationRequest, SamplingParams, TokenLogprobs
 from tests._engine import make_engine
 
@@ -176,16 +178,16 @@ def test_preempted_mid_prefill_the_prompt_is_scored_again_from_the_start(target_
     stream = engine.submit(_request("a", 2))
     for _ in range(3):  # a few chunks in
         engine.step()
-    r = engine._running["a"]
+    r = engine.pool.running["a"]
     assert 0 < r.prefilled < len(PROMPT) and r.prompt_lp
-    engine._preempt(r)
+    preempt(engine, r)
     got = None
     for step in range(200):
         engine.step()
         if step == 2:  # and once more, the failed-iteration way
-            r = engine._running["a"]
+            r = engine.pool.running["a"]
             assert r.prefilling
-            engine._resync(r)
+            resync(engine, r)
         d = stream.get(timeout=0)
         if d is not None:
             assert d.error is None, d.error

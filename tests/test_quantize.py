@@ -16,8 +16,8 @@ from adaserve.model.cpu_gemm import PackedLinear, packed_kernel_available
 from adaserve.model.loader import load_runner
 from adaserve.model.quantize import Int8Linear, quantize_int8
 from adaserve.model.runner import SeqInput
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
-from adaserve.target import RunnerTarget
 from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
 from tests.conftest import make_tiny_model
 

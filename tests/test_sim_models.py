@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from adaserve.drafter import DrafterStateLost, DraftUpdate
 from adaserve.request import SamplingParams
 from adaserve.selection import RequestProgress, SelectionParams, select
 from adaserve.sim.acceptance import (
@@ -26,7 +27,6 @@ from adaserve.sim.costmodel import Curve, HardwareProfile, MixedTable, Surface, 
 from adaserve.sim.drafter import SimDrafter
 from adaserve.sim.target import SimTarget
 from adaserve.sim.workload import LengthDist, Workload
-from adaserve.speculate import DrafterStateLost, DraftUpdate
 from adaserve.target import PrefillChunk, VerifyItem
 from adaserve.tree import CandidateTree
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from adaserve.drafter import DrafterStateLost, DraftUpdate
 from adaserve.model.kv_cache import KVCacheFull
 from adaserve.model.loader import load_runner
-from adaserve.speculate import BeamDrafter, DrafterStateLost, DraftUpdate
+from adaserve.speculate import BeamDrafter
 from tests._stats import single_thread
 
 

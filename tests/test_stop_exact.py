@@ -17,9 +17,9 @@ from adaserve.engine import Engine
 from adaserve.engine_build import eos_token_ids
 from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
 from tests._stats import single_thread
 
 pytestmark = pytest.mark.slow

@@ -26,10 +26,10 @@ from adaserve.model.embedded import embedded_gguf
 from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.model.stored import gguf_source, resolve_quantization
 from adaserve.request import GenerationRequest, SamplingParams
+from adaserve.runner_target import RunnerTarget
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
 from tests._engine import run_to_completion
 from tests._kernels import ISAS, RUNNABLE, logits_of, needs_kernel
 from tests._spec_loop import generate, random_budget

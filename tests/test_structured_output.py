@@ -20,9 +20,9 @@ from adaserve.engine import Engine
 from adaserve.grammar import Constraint, GrammarBackend
 from adaserve.model.loader import load_runner
 from adaserve.request import GenerationRequest, SamplingParams, StructuredOutput
+from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
-from adaserve.target import RunnerTarget
 from adaserve.tree import CandidateTree
 from tests._engine import run_to_completion
 from tests._oracle import OracleDrafter

@@ -108,9 +108,9 @@ def test_tp_engine_prefills_in_chunks_beside_trees_losslessly(tiny_llama_untied_
     own greedy output (Hugging Face's, no cache)."""
     from adaserve.config import load_settings
     from adaserve.engine import Engine
+    from adaserve.runner_target import RunnerTarget
     from adaserve.scheduler import LocalScheduler
     from adaserve.speculate import BeamDrafter
-    from adaserve.target import RunnerTarget
     from tests._engine import hf_greedy, req, run_to_completion
 
     settings = load_settings(

@@ -17,8 +17,8 @@ import torch
 
 from adaserve.distill.data import Sequences
 from adaserve.distill.llama import LlamaModel
+from adaserve.drafter import DraftUpdate
 from adaserve.ngram import NgramDrafter
-from adaserve.speculate import DraftUpdate
 
 
 @dataclass(frozen=True)

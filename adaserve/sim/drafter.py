@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from adaserve.drafter import DrafterStateLost, DraftUpdate
 from adaserve.sim.acceptance import DraftSampler
 from adaserve.sim.clock import VirtualClock
 from adaserve.sim.costmodel import HardwareProfile
-from adaserve.speculate import DrafterStateLost, DraftUpdate
 from adaserve.tree import CandidateTree
 
 

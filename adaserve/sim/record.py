@@ -43,8 +43,9 @@ def record_trace(
     steps: int = 32,
 ) -> int:
     """Decode every prompt for `steps` iterations; returns the number of lines written."""
+    from adaserve.drafter import DraftUpdate
     from adaserve.model.runner import SeqInput
-    from adaserve.speculate import BeamDrafter, DraftUpdate
+    from adaserve.speculate import BeamDrafter
 
     beam = BeamDrafter(drafter)
     ids = [f"rec{i}" for i in range(len(prompts))]

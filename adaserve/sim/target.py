@@ -21,8 +21,7 @@ from adaserve.model.block_manager import BlockManager
 from adaserve.sim.acceptance import Calibration
 from adaserve.sim.clock import VirtualClock
 from adaserve.sim.costmodel import HardwareProfile
-from adaserve.target import ForwardResult, PrefillChunk, VerifyItem
-from adaserve.verify import VerifyResult
+from adaserve.target import ForwardResult, PrefillChunk, VerifyItem, VerifyResult
 
 
 @dataclass

@@ -382,9 +382,9 @@ def make_engine(
     """`adaptive` (scheduler.adaptive settings) replaces the fixed (depth, width) plan."""
     from adaserve.config import load_settings
     from adaserve.engine import Engine
+    from adaserve.runner_target import RunnerTarget
     from adaserve.scheduler import LocalScheduler
     from adaserve.speculate import BeamDrafter
-    from adaserve.target import RunnerTarget
 
     if adaptive is None:
         adaptive = {
@@ -487,8 +487,9 @@ def engine_generate(
 
 
 def draft_steps(run: Run, dev: torch.device, dtype: torch.dtype, backend: str) -> dict[str, Any]:
+    from adaserve.drafter import DraftUpdate
     from adaserve.model.cuda_graphs import install_draft_graphs
-    from adaserve.speculate import BeamDrafter, DraftUpdate
+    from adaserve.speculate import BeamDrafter
 
     shape = "smoke-drafter" if run.args.smoke else "smollm2-135m"
     hf = hf_model(shape, dtype, dev, seed=3)

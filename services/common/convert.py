@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from adaserve.drafter import DraftUpdate
 from adaserve.request import FINISH_REASONS, SPECULATION_METHODS, TokenLogprobs
 from adaserve.routing import UnitLoad
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
@@ -26,9 +26,6 @@ from adaserve.selection import (
     SelectionParams,
 )
 from adaserve.tree import CandidateTree, TreeBatch
-
-if TYPE_CHECKING:  # adaserve.speculate imports torch; the scheduler never needs it
-    from adaserve.speculate import DraftUpdate
 
 I32 = np.dtype("<i4")
 I64 = np.dtype("<i8")
@@ -357,8 +354,6 @@ def speculate_request_from_pb(
 ) -> tuple[list[DraftUpdate], int, int, float]:
     """Token arrays are views over the message's buffers; the drafter validates the
     rest (ids, lengths, token range, depth, width and stop_prob)."""
-    from adaserve.speculate import DraftUpdate  # torch: only drafter processes pay for it
-
     updates = []
     for k, u in enumerate(msg.updates):
         if not u.id:

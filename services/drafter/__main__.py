@@ -12,7 +12,7 @@ from services.common import logs
 
 if TYPE_CHECKING:
     from adaserve.config import Settings
-    from adaserve.speculate import Drafter
+    from adaserve.drafter import Drafter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

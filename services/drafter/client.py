@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from adaserve.drafter import DrafterStateLost, DrafterStats, DraftUpdate
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from adaserve.speculate import DrafterStateLost, DrafterStats, DraftUpdate
 from adaserve.tree import CandidateTree
 from services.common.client import call
 from services.common.convert import speculate_request_to_pb, trees_from_pb

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from adaserve.drafter import Drafter, DrafterStateLost, DraftUpdate
 from adaserve.model.kv_cache import KVCacheFull
 from adaserve.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from adaserve.speculate import Drafter, DrafterStateLost, DraftUpdate
 from adaserve.torch_thread import torch_thread
 from adaserve.tree import CandidateTree
 from services.common import faults

@@ -9,12 +9,12 @@ and `adaserve up --all-in-one` build their engines here.
 from __future__ import annotations
 
 from adaserve.config import SchedulerSettings, Settings
+from adaserve.drafter import Drafter
 from adaserve.engine import Engine
 from adaserve.engine_build import build_drafter as _build_drafter
 from adaserve.engine_build import build_engine as _build_engine
 from adaserve.engine_build import build_scheduler as _build_scheduler
 from adaserve.scheduler import Scheduler
-from adaserve.speculate import Drafter
 
 
 def grpc_drafter(address: str, timeout_s: float) -> Drafter:
