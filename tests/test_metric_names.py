@@ -1,5 +1,5 @@
-"""The engine's series under vLLM's names (adaserve/metrics.py VLLM_NAMES), and the
-README's mapping for a vLLM user's dashboards."""
+"""The engine's series under vLLM's names (adaserve/metrics.py VLLM_NAMES), and
+docs/METRICS.md's mapping for a vLLM user's dashboards."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_vllm_names_repeat_the_engines_series_with_a_model_label() -> None:
             assert theirs[key] == value, key
 
 
-def test_the_readme_maps_every_exported_vllm_name() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_the_metrics_doc_maps_every_exported_vllm_name() -> None:
+    doc = (REPO / "docs" / "METRICS.md").read_text()
     for vllm_name, (_, adaserve_name) in metrics.VLLM_NAMES.items():
-        rows = re.findall(rf"^\|[^\n]*`{re.escape(adaserve_name)}[^\n]*$", readme, re.MULTILINE)
+        rows = re.findall(rf"^\|[^\n]*`{re.escape(adaserve_name)}[^\n]*$", doc, re.MULTILINE)
         assert any(f"`{vllm_name}" in row for row in rows), (adaserve_name, vllm_name)
