@@ -235,7 +235,7 @@ baseline_recalibrations_total = Counter(
 
 # vLLM's names for the series that mean the same here, so a dashboard built for vLLM
 # (which filters on `model_name`) finds them: re-emitted at scrape time under the vLLM
-# name with the model's name as a label; nothing is counted twice. README.md, "Metrics",
+# name with the model's name as a label; nothing is counted twice. docs/METRICS.md
 # maps the rest.
 VLLM_NAMES: dict[str, tuple[Counter | Gauge | Histogram, str]] = {
     "vllm:num_requests_running": (num_running, "adaserve_num_requests_running"),

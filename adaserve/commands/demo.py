@@ -26,7 +26,7 @@ from adaserve.sim.summary import RequestRecord, summarize
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
-    # 1.5 req/s is where the classes separate on a 2-core CPU (README): at 0.5 every
+    # 1.5 req/s is where the classes separate on a 2-core CPU (docs/OPERATIONS.md): at 0.5 every
     # request is far under its SLO and the classes look alike.
     p.add_argument(
         "--rps",
