@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import AttentionBatch, ReferenceBackend, make_backend
+from adaserve.model.attention import AttentionBatch, ReferenceBackend
 from adaserve.model.attention_flashinfer import build_paged_arrays
+from adaserve.model.attention_setting import make_backend
 from adaserve.model.attention_triton import (
     build_arrays,
     pick_block_m,

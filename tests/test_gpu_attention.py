@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import ReferenceBackend, make_backend
+from adaserve.model.attention import ReferenceBackend
+from adaserve.model.attention_setting import make_backend
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.random_trees import random_qkv, random_tree_batch
 
