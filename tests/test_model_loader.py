@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from adaserve.model.build import resolve_dtype
 from adaserve.model.config import ModelConfig, UnsupportedModelError
-from adaserve.model.embedded import ModelNotFoundError
-from adaserve.model.loader import load_runner, resolve_dtype, resolve_model
+from adaserve.model.embedded import ModelNotFoundError, resolve_model
+from adaserve.model.loader import load_runner
 from adaserve.model.runner import SeqInput
 from tests.conftest import make_tiny_model
 
@@ -150,7 +151,7 @@ def test_distilled_drafter_borrows_target_embedding(tiny_llama_dir: Path, tmp_pa
 
 def test_embedded_drafter_hook() -> None:
     """`embedded` as a drafter is the shipped distilled drafter, or a clear error."""
-    from adaserve.model.loader import DRAFTER_ASSET
+    from adaserve.model.embedded import DRAFTER_ASSET
 
     if (DRAFTER_ASSET / "config.json").is_file():
         assert resolve_model("embedded", role="drafter") == DRAFTER_ASSET

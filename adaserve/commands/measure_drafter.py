@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.distill.data import Sequences, read_prompt_file
     from adaserve.distill.generate import generate_all
     from adaserve.distill.weights import load_teacher
-    from adaserve.model.loader import load_tokenizer, resolve_model
+    from adaserve.model.embedded import resolve_model
+    from adaserve.model.loader import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,7 +195,7 @@ def _measure(
         source = "ngram"
     else:
         from adaserve.distill.export import load_drafter
-        from adaserve.model.loader import resolve_model
+        from adaserve.model.embedded import resolve_model
 
         drafter_dir = resolve_model(name, "drafter")
         student, head, d2t = load_drafter(drafter_dir, target_dir)

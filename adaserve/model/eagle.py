@@ -140,11 +140,11 @@ def load_eagle_runner(
     **runner_kwargs,
 ) -> EagleRunner:
     """The head's runner from a drafter directory in the contract's format:
-    the decoder as a distilled drafter (loader.build_runner: the target's embedding,
+    the decoder as a distilled drafter (build.build_runner: the target's embedding,
     the tied reduced head, int8 dequantized), then fc and fuse from the same file."""
     from adaserve.model import draft_assets
+    from adaserve.model.build import build_runner
     from adaserve.model.layers import TPGroup
-    from adaserve.model.loader import build_runner
     from adaserve.model.weights import load_state
 
     path = Path(path)
