@@ -7,6 +7,7 @@ them). Every import counts, at any depth (inside functions and TYPE_CHECKING too
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -158,3 +159,41 @@ def test_no_test_module_imports_another() -> None:
     # The checker sees both import forms.
     assert "tests.test_x" in imported_modules("import tests.test_x")
     assert "tests.test_x.f" in imported_modules("from tests.test_x import f")
+
+
+def _import_graph():
+    """scripts/import_graph.py, the one home of the import-graph reader."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts/import_graph.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cycle_finder_sees_every_kind_of_import(tmp_path: Path) -> None:
+    graph = _import_graph()
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from pkg.sub import b  # a submodule, inside a function\n",
+        "sub/__init__.py": "",
+        "sub/b.py": "from ..c import X  # relative\n",
+        "c.py": "import pkg.a\nX = 1\n",
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\n",
+        "e.py": "import pkg.d\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    g = graph.module_graph(tmp_path, "pkg")
+    assert g["pkg.a"] == {"pkg.sub.b"} and g["pkg.sub.b"] == {"pkg.c"}
+    assert g["pkg.d"] == set()  # under TYPE_CHECKING: never runs
+    assert graph.find_cycles(g) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_no_import_cycles() -> None:
+    """No module of adaserve/ imports itself through others, at any depth (function-level
+    imports included: a lazy import hides a cycle, it does not break it)."""
+    graph = _import_graph()
+    cycles = graph.find_cycles(graph.module_graph(ROOT, "adaserve"))
+    assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
