@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -165,8 +164,3 @@ def load_eagle_runner(
         None if fc_b is None else fc_b.float(),
         None if fuse is None else fuse.float(),
     )
-
-
-def zeros_features(n: int, dim: int) -> np.ndarray:
-    """The feature rows before position 0 (g_{-1} = 0: fuse has no bias)."""
-    return np.zeros((n, dim), dtype=np.float16)
