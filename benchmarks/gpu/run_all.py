@@ -38,9 +38,9 @@ from adaserve.model.config import ModelConfig  # noqa: E402
 from adaserve.model.kv_cache import KVStorage, PagedKVCache  # noqa: E402
 from adaserve.model.layers import TPGroup  # noqa: E402
 from adaserve.model.llama import LlamaModel  # noqa: E402
-from adaserve.model.random_trees import random_qkv, random_tree_batch  # noqa: E402
 from adaserve.model.runner import ModelRunner, SeqInput  # noqa: E402
 from adaserve.model.weights import WeightSource  # noqa: E402
+from tests._attention_trees import random_qkv, random_tree_batch  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
