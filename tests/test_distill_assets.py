@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from adaserve.distill.export import export_drafter, load_drafter, quantize_int8_rowwise
 from adaserve.distill.weights import init_student, load_teacher, trainable_state
 from adaserve.model import draft_assets
+from adaserve.model.embedded import DRAFTER_ASSET as ASSET
+from adaserve.model.embedded import EAGLE_ASSET
 from adaserve.model.loader import load_tokenizer
 from tests._stats import single_thread
-
-ASSET = Path(__file__).resolve().parent.parent / "adaserve" / "assets" / "drafter-smollm2"
 
 
 @pytest.fixture()
@@ -50,8 +50,8 @@ def test_export_stores_only_trained_weights(exported) -> None:
 def test_shipped_drafters_hold_no_tokenizer() -> None:
     """A drafter shares its target's vocabulary, so its tokenizer is the target's, kept
     once with the target; the shipped drafter directories hold none of their own."""
-    for name in ("drafter-smollm2", "drafter-smollm2-eagle"):
-        files = {f.name for f in (ASSET.parent / name).iterdir()}
+    for asset in (ASSET, EAGLE_ASSET):
+        files = {f.name for f in asset.iterdir()}
         assert {"config.json", "model.safetensors", "draft_vocab.safetensors"} <= files
         assert not files & {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 

@@ -30,7 +30,6 @@ from collections import defaultdict
 from pathlib import Path
 
 PROMPTS = Path(__file__).resolve().parent.parent / "distill" / "prompts" / "heldout.jsonl"
-EMBEDDED_EAGLE = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-eagle"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _eagle_dir(name: str) -> Path | None:
     from adaserve.distill.eagle_export import is_eagle_dir
+    from adaserve.model.embedded import EAGLE_ASSET, EMBEDDED_EAGLE
 
-    if name == "embedded-eagle":
-        if not is_eagle_dir(EMBEDDED_EAGLE):
-            raise FileNotFoundError(f"embedded-eagle: {EMBEDDED_EAGLE} holds no EAGLE head")
-        return EMBEDDED_EAGLE
+    if name == EMBEDDED_EAGLE:
+        if not is_eagle_dir(EAGLE_ASSET):
+            raise FileNotFoundError(f"{EMBEDDED_EAGLE}: {EAGLE_ASSET} holds no EAGLE head")
+        return EAGLE_ASSET
     return Path(name) if name != "ngram" and is_eagle_dir(Path(name)) else None
 
 
