@@ -86,7 +86,7 @@ def test_sharded_checkpoint_matches_single(tiny_llama_untied_dir: Path, tmp_path
 
 def test_config_reads_eos_from_both_files(tiny_llama_dir: Path) -> None:
     cfg = ModelConfig.from_dir(tiny_llama_dir)
-    assert cfg.architecture == "LlamaForCausalLM" and cfg.kv_group == 2
+    assert cfg.architecture == "LlamaForCausalLM" and cfg.num_heads // cfg.num_kv_heads == 2
     raw = json.loads((tiny_llama_dir / "config.json").read_text())
     raw["eos_token_id"] = 2
     cfg = ModelConfig.from_dict(raw, generation={"eos_token_id": [2, 7]})
