@@ -15,9 +15,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-# How a model writes tool calls (InfoResponse.tool_call_format; the gateway parses them).
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
-
 _FALLBACK_SYSTEM = (
     "You may call functions to help with the user's request. The functions are:\n"
     "<tools>\n{tools}\n</tools>\n"
@@ -37,8 +34,9 @@ def knows_tools(tokenizer: Any) -> bool:
 
 
 def tool_call_format(tokenizer: Any) -> str:
-    """The tool-call format of the template's model family; Hermes (Qwen2.5's) for a
-    template that knows no tools: the fallback prompt asks for it."""
+    """The tool-call format of the template's model family: "hermes", "llama3_json" or
+    "mistral" (InfoResponse.tool_call_format; the gateway parses them). Hermes (Qwen2.5's)
+    for a template that knows no tools: the fallback prompt asks for it."""
     template = template_of(tokenizer)
     if not knows_tools(tokenizer):
         return "hermes"

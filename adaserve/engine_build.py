@@ -38,7 +38,8 @@ def build_engine(
     drafter_client: DrafterClient | None = None,
     scheduler_client: SchedulerClient | None = None,
 ) -> Engine:
-    from adaserve.model.loader import load_runner, load_tokenizer, resolve_model
+    from adaserve.model.embedded import resolve_model
+    from adaserve.model.loader import load_runner, load_tokenizer
 
     ms = settings.model
     target_dir = resolve_model(ms.target)
@@ -144,7 +145,8 @@ def build_drafter(
     if not ms.drafter or ms.drafter == "none":
         return None
     from adaserve.model.eagle import is_eagle_dir
-    from adaserve.model.loader import load_runner, resolve_model
+    from adaserve.model.embedded import resolve_model
+    from adaserve.model.loader import load_runner
 
     path = resolve_model(ms.drafter, role="drafter")
     if is_eagle_dir(path):
@@ -171,8 +173,8 @@ def build_drafter(
 def build_eagle_drafter(settings: Settings, path: Path) -> Drafter:
     """An in-process EagleDrafter over the head in `path` (adaserve/model/eagle.py)."""
     from adaserve.eagle_drafter import EagleDrafter
+    from adaserve.model.build import resolve_device, resolve_dtype
     from adaserve.model.eagle import load_eagle_runner
-    from adaserve.model.loader import resolve_device, resolve_dtype
 
     ms = settings.model
     device = resolve_device(ms.device)

@@ -20,7 +20,7 @@ Policies:
   verify time (knee cost model, `throughput_phase`), at most the rest of B.
 - `equal` (EqualGreedy): B split evenly, each request greedy within its share.
 - `global` (GlobalGreedy): roots, then the throughput phase only.
-- `optimal`: Algorithm 1 on exact f (adaserve/optimal.py).
+- `optimal`: Algorithm 1 on exact f (`optimal_selection`).
 
 "Highest f" is the greedy order of TreeBatch.greedy_keys: log f descending (compared
 at float32 precision), then depth, then request, then node index. Each phase takes
@@ -151,8 +151,6 @@ def select(
         return Selection([], a, a_cap, np.zeros(0), 0)
 
     if params.policy == "optimal":
-        from adaserve.optimal import optimal_selection  # it builds on this module
-
         return optimal_selection(batch, a, a_cap, params.budget)
     worth = None  # adaserve's throughput phase stops where nodes stop paying
     if params.policy in ("adaserve", "paper"):
@@ -210,6 +208,31 @@ def equal_shares(batch: TreeBatch, budget: int) -> np.ndarray:
     n = len(batch)
     share = budget // n + (np.arange(n) < budget % n)
     return np.minimum(share, batch.sizes)
+
+
+def optimal_selection(batch: TreeBatch, a: np.ndarray, a_cap: np.ndarray, budget: int) -> Selection:
+    """Algorithm 1 of paper 000: the selection maximizing total f subject to sum f >=
+    A(r) for every request and at most `budget` nodes, or Selection(invalid=True) when
+    none exists. The candidate trees given are taken to be the whole candidate space.
+
+    Step 1 gives every request the shortest greedy prefix of its tree whose sum of f
+    reaches A(r) (uncapped; the root counts 1.0 and costs one slot, as constraint (1)
+    says). Step 2 spends the rest of B on the globally highest-f nodes left.
+
+    INVALID exactly when no feasible allocation exists: some tree's total f is below its
+    A(r), or the minimal prefixes together exceed B (a greedy prefix is the fewest nodes
+    reaching a threshold, Lemma A.1). Otherwise the result maximizes total f: the best
+    m-node subtree of a tree is its top-m prefix (parent-closed because a child's f never
+    exceeds its parent's), prefix sums are concave in m, so topping up each request's
+    minimal prefix with the globally best marginal nodes is optimal."""
+    count, acc = greedy_prefix(batch, a)
+    reached = acc[np.arange(len(batch)), count - 1] >= a
+    taken = int(count.sum())
+    if not reached.all() or taken > budget:
+        return Selection([], a, a_cap, np.zeros(len(batch)), 0, invalid=True)
+    mask = prefix_mask(batch, count)
+    throughput_phase(batch, mask, budget - taken, taken)
+    return assemble(batch, mask, a, a_cap)
 
 
 def greedy_prefix(

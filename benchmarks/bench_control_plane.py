@@ -96,7 +96,7 @@ def write_config(args: argparse.Namespace) -> Path:
 def resolve_drafter(args: argparse.Namespace) -> tuple[str, str]:
     """(model spec, description). The trained embedded drafter when it exists, else a
     random one with the target's exact shape but 2 layers (same vocab and tokenizer)."""
-    from adaserve.model.loader import DRAFTER_ASSET, resolve_model
+    from adaserve.model.embedded import DRAFTER_ASSET, resolve_model
 
     if args.drafter != "auto":
         return args.drafter, args.drafter

@@ -24,7 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
-from adaserve.model.loader import load_runner, resolve_model
+from adaserve.model.embedded import resolve_model
+from adaserve.model.loader import load_runner
 from adaserve.model.runner import ModelRunner, SeqInput
 
 

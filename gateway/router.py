@@ -24,7 +24,7 @@ import logging
 import socket
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -221,14 +221,6 @@ class Router:
             ),
             ttft_slo_ms=ttft,
         )
-
-    @contextlib.contextmanager
-    def lease(self, unit: Unit) -> Iterator[Unit]:
-        unit.outstanding += 1
-        try:
-            yield unit
-        finally:
-            unit.outstanding -= 1
 
     def mark_failed(self, unit: Unit, reason: str) -> None:
         if unit.healthy:

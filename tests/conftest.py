@@ -105,6 +105,6 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def embedded_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (converted once into the cache on
     first use, ~1 min; later sessions reuse it)."""
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
 
     return resolve_model("embedded")

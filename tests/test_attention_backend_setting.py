@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from adaserve.config import ATTENTION_BACKEND_CHOICES, Settings, load_settings
-from adaserve.model.attention import (
+from adaserve.model.attention_setting import (
     ATTENTION_BACKENDS,
     BackendUnavailable,
     make_backend,
@@ -198,8 +198,8 @@ def test_up_passes_the_flag_to_model_processes_only(tmp_path) -> None:
 def test_flashinfer_is_built_for_the_cache_block_size_and_dtype(monkeypatch) -> None:
     """FlashInfer reads the cache as pages: it must get the cache's page size and dtype
     (it used to assume 16 and bf16 whatever the KV cache was)."""
-    import adaserve.model.attention as attention
     import adaserve.model.attention_flashinfer as fi
+    import adaserve.model.attention_setting as attention_setting
 
     built = {}
 
@@ -209,7 +209,7 @@ def test_flashinfer_is_built_for_the_cache_block_size_and_dtype(monkeypatch) -> 
         def __init__(self, heads, kv_heads, head_dim, device, block_size, dtype) -> None:
             built.update(block_size=block_size, dtype=dtype)
 
-    monkeypatch.setattr(attention, "resolve_backend", lambda name, device: "flashinfer")
+    monkeypatch.setattr(attention_setting, "resolve_backend", lambda name, device: "flashinfer")
     monkeypatch.setattr(fi, "FlashInferBackend", Fake)
     make_backend("auto", 4, 2, 8, CUDA, block_size=32, dtype=torch.float16)
     assert built == {"block_size": 32, "dtype": torch.float16}

@@ -11,13 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import AttentionBatch, ReferenceBackend, make_backend
+from adaserve.model.attention import AttentionBatch, ReferenceBackend
 from adaserve.model.attention_flashinfer import build_paged_arrays
+from adaserve.model.attention_setting import make_backend
 from adaserve.model.attention_triton import (
     build_arrays,
     pick_block_m,
@@ -25,7 +27,7 @@ from adaserve.model.attention_triton import (
     reference_from_arrays,
 )
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
-from adaserve.model.random_trees import random_qkv, random_tree_batch
+from tests._attention_trees import random_qkv, random_tree_batch
 
 CPU = torch.device("cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -165,7 +167,7 @@ def test_triton_kernel_in_interpreter_matches_reference() -> None:
         from adaserve.model.attention import ReferenceBackend
         from adaserve.model.attention_triton import TritonBackend
         from adaserve.model.kv_cache import KVStorage, PagedKVCache
-        from adaserve.model.random_trees import random_qkv, random_tree_batch
+        from tests._attention_trees import random_qkv, random_tree_batch
         cpu = torch.device("cpu")
         for group, shape in [(3, "random"), (4, "rooted"), (1, "chain")]:
             st = KVStorage(1, 64, 4, 2, 16, torch.float32, cpu)
@@ -183,6 +185,11 @@ def test_triton_kernel_in_interpreter_matches_reference() -> None:
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],  # tests._attention_trees imports from here
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -17,7 +17,7 @@ from adaserve.model.attention import ReferenceBackend, ReferenceMetadata
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.layers import RMSNorm
 from adaserve.model.loader import load_runner
-from adaserve.model.random_trees import random_qkv, random_tree_batch
+from tests._attention_trees import random_qkv, random_tree_batch
 from tests.conftest import make_tiny_model
 
 try:

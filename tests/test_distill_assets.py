@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from adaserve.distill.export import export_drafter, load_drafter, quantize_int8_rowwise
 from adaserve.distill.weights import init_student, load_teacher, trainable_state
 from adaserve.model import draft_assets
+from adaserve.model.embedded import DRAFTER_ASSET as ASSET
+from adaserve.model.embedded import EAGLE_ASSET
+from adaserve.model.loader import load_tokenizer
 from tests._stats import single_thread
-
-ASSET = Path(__file__).resolve().parent.parent / "adaserve" / "assets" / "drafter-smollm2"
 
 
 @pytest.fixture()
@@ -43,6 +44,16 @@ def test_export_stores_only_trained_weights(exported) -> None:
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
     assert cfg["adaserve_format_version"] == 1 and cfg["adaserve_embeddings_from"] == "target"
     assert load_file(str(out / "draft_vocab.safetensors"))["d2t"].tolist() == d2t.tolist()
+    assert not list(out.glob("tokenizer*"))  # the target's tokenizer serves the drafter
+
+
+def test_shipped_drafters_hold_no_tokenizer() -> None:
+    """A drafter shares its target's vocabulary, so its tokenizer is the target's, kept
+    once with the target; the shipped drafter directories hold none of their own."""
+    for asset in (ASSET, EAGLE_ASSET):
+        files = {f.name for f in asset.iterdir()}
+        assert {"config.json", "model.safetensors", "draft_vocab.safetensors"} <= files
+        assert not files & {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
 def test_roundtrip_logits(exported) -> None:
@@ -137,14 +148,12 @@ def test_shipped_drafter(embedded_dir: Path) -> None:
 
     cfg = json.loads((ASSET / "config.json").read_text())
     assert sum(f.stat().st_size for f in ASSET.iterdir()) < 20_000_000
-    assert (ASSET / "MODEL_CARD.md").is_file() and (ASSET / "tokenizer.json").is_file()
+    assert (ASSET / "MODEL_CARD.md").is_file()
     assert cfg["adaserve_target"] == "embedded"
     student, head, d2t = load_drafter(ASSET, embedded_dir)
     assert len(d2t) == cfg["adaserve_draft_vocab_size"]
     teacher = load_teacher(embedded_dir)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(ASSET))
+    tok = load_tokenizer(embedded_dir)  # the target's: the drafter shares its vocabulary
     text = tok.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that adds two numbers."}],
         add_generation_prompt=True,

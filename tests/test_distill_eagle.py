@@ -315,9 +315,9 @@ def test_shipped_eagle_head_measures(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from adaserve.commands.measure_drafter import EMBEDDED_EAGLE
+    from adaserve.model.embedded import EAGLE_ASSET
 
-    if not (EMBEDDED_EAGLE / "config.json").is_file():
+    if not (EAGLE_ASSET / "config.json").is_file():
         pytest.skip("no shipped EAGLE head")
     heldout = Path(__file__).parents[1] / "adaserve" / "distill" / "prompts" / "heldout.jsonl"
     rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
@@ -358,14 +358,14 @@ def test_trained_head_runs_the_same_in_the_serving_runner(embedded_dir: Path) ->
     """The contract from both ends: the shipped head, loaded by the trainer's measuring
     code and by the server's EagleRunner, gives the same h and logits, teacher-forced on
     the target's real features and for a drafted child reading its parent's h."""
-    from adaserve.commands.measure_drafter import EMBEDDED_EAGLE
     from adaserve.distill.eagle_export import load_eagle
     from adaserve.model.eagle import load_eagle_runner
+    from adaserve.model.embedded import EAGLE_ASSET
     from adaserve.model.runner import SeqInput
 
-    if not (EMBEDDED_EAGLE / "config.json").is_file():
+    if not (EAGLE_ASSET / "config.json").is_file():
         pytest.skip("no shipped EAGLE head")
-    head, lm_head, d2t = load_eagle(EMBEDDED_EAGLE, embedded_dir)
+    head, lm_head, d2t = load_eagle(EAGLE_ASSET, embedded_dir)
     target = load_teacher(embedded_dir)
     tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 314, 1345, 28, 2]
     ids = torch.tensor([tokens])
@@ -373,7 +373,7 @@ def test_trained_head_runs_the_same_in_the_serving_runner(embedded_dir: Path) ->
     assert feats is not None
     want_h = head.forward(ids, feats)[0]
     want_logits = head.logits(want_h, lm_head)
-    runner = load_eagle_runner(EMBEDDED_EAGLE, torch.device("cpu"), torch.float32, kv_blocks=16)
+    runner = load_eagle_runner(EAGLE_ASSET, torch.device("cpu"), torch.float32, kv_blocks=16)
     runner.add_sequence("s", tokens)
     g_prev = torch.cat([torch.zeros(1, feats.shape[2]), feats[0, :-1]])
     logits, h = runner.forward_head([SeqInput.chain("s", tokens)], runner.fuse(g_prev))

@@ -7,7 +7,7 @@ import json
 import random
 
 from adaserve.distill import prompt_set
-from adaserve.distill import prompt_topics as T
+from adaserve.distill.prompt_set import TOPICS
 
 
 def _rows(name: str) -> list[dict]:
@@ -17,10 +17,10 @@ def _rows(name: str) -> list[dict]:
 
 def test_topic_lists_are_disjoint() -> None:
     for train, held in (
-        (T.TRAIN_TOPICS, T.HELDOUT_TOPICS),
-        (T.TRAIN_TASKS, T.HELDOUT_TASKS),
-        (T.TRAIN_CONCEPTS, T.HELDOUT_CONCEPTS),
-        (T.TRAIN_ACTIVITIES, T.HELDOUT_ACTIVITIES),
+        (TOPICS.train_topics, TOPICS.heldout_topics),
+        (TOPICS.train_tasks, TOPICS.heldout_tasks),
+        (TOPICS.train_concepts, TOPICS.heldout_concepts),
+        (TOPICS.train_activities, TOPICS.heldout_activities),
     ):
         assert not {x.lower() for x in train} & {x.lower() for x in held}
 
@@ -35,10 +35,10 @@ def test_heldout_prompts_never_appear_in_training() -> None:
 
 def test_committed_files_are_reproducible() -> None:
     train = prompt_set.build(
-        T.TRAIN_TOPICS,
-        T.TRAIN_TASKS,
-        T.TRAIN_CONCEPTS,
-        T.TRAIN_ACTIVITIES,
+        TOPICS.train_topics,
+        TOPICS.train_tasks,
+        TOPICS.train_concepts,
+        TOPICS.train_activities,
         [],
         random.Random(1),
         n_math=600,

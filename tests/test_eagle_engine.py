@@ -291,7 +291,7 @@ def test_the_shipped_head_drafts_its_own_trees_losslessly(smol):
     """The shipped head (`embedded-eagle`), no oracle: the trees it drafts itself (beam
     search, confidence stop) are verified into the target's own greedy output, beside
     plain requests, and some of its drafts are accepted."""
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
 
     target, _, prompts, ref = smol
     head = resolve_model("embedded-eagle", role="drafter")

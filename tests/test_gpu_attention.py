@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import ReferenceBackend, make_backend
+from adaserve.model.attention import ReferenceBackend
+from adaserve.model.attention_setting import make_backend
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
-from adaserve.model.random_trees import random_qkv, random_tree_batch
+from tests._attention_trees import random_qkv, random_tree_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -55,10 +55,10 @@ def _missing_pieces(dep: LocalDeployment) -> list[str]:
         service = c.argv[1]
         if importlib.util.find_spec(SERVICE_MODULES[service]) is None:
             missing.append(f"`adaserve {service}` ({SERVICE_MODULES[service]})")
-    from adaserve.model import loader
+    from adaserve.model.embedded import DRAFTER_ASSET
 
-    if not (loader.DRAFTER_ASSET / "config.json").is_file():
-        missing.append(f"the embedded drafter ({loader.DRAFTER_ASSET})")
+    if not (DRAFTER_ASSET / "config.json").is_file():
+        missing.append(f"the embedded drafter ({DRAFTER_ASSET})")
     return missing
 
 
@@ -114,8 +114,7 @@ def _wait_ready(dep: LocalDeployment, timeout: float) -> None:
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[LocalDeployment]:
     from adaserve.model.cpu_gemm import ISA_FLAGS, KernelUnavailable, build
-    from adaserve.model.embedded import cache_root
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import cache_root, resolve_model
 
     docs = render("cpu-demo")
     workdir = make_workdir()

@@ -7,6 +7,7 @@ them). Every import counts, at any depth (inside functions and TYPE_CHECKING too
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -169,7 +170,6 @@ TORCH_FREE = (
     "adaserve.tree",
     "adaserve.slo",
     "adaserve.selection",
-    "adaserve.optimal",
     "adaserve.adaptive",
     "adaserve.batching",
     "adaserve.latency",
@@ -203,3 +203,58 @@ def test_the_torch_free_check_fails_on_a_module_that_imports_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0 and "torch" in proc.stderr
+
+
+def _import_graph():
+    """scripts/import_graph.py, the one home of the import-graph reader."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts/import_graph.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cycle_finder_sees_every_kind_of_import(tmp_path: Path) -> None:
+    graph = _import_graph()
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from pkg.sub import b  # a submodule, inside a function\n",
+        "sub/__init__.py": "",
+        "sub/b.py": "from ..c import X  # relative\n",
+        "c.py": "import pkg.a\nX = 1\n",
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\n",
+        "e.py": "import pkg.d\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    g = graph.module_graph(tmp_path, "pkg")
+    assert g["pkg.a"] == {"pkg.sub.b"} and g["pkg.sub.b"] == {"pkg.c"}
+    assert g["pkg.d"] == set()  # under TYPE_CHECKING: never runs
+    assert graph.find_cycles(g) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_no_import_cycles() -> None:
+    """No module of adaserve/ imports itself through others, at any depth (function-level
+    imports included: a lazy import hides a cycle, it does not break it)."""
+    graph = _import_graph()
+    cycles = graph.find_cycles(graph.module_graph(ROOT, "adaserve"))
+    assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """One idea per module, a few hundred lines at most; generated stubs aside."""
+    long = []
+    for package in ("adaserve", "services", "gateway"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if "rpc/v1" in rel:
+                continue
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > MAX_MODULE_LINES:
+                long.append(f"{rel}: {lines} lines")
+    assert long == []

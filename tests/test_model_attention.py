@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.attention import AttentionBatch, ReferenceBackend, make_backend
+from adaserve.model.attention import AttentionBatch, ReferenceBackend
+from adaserve.model.attention_setting import make_backend
 from adaserve.model.kv_cache import KVStorage
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.model.embedded import MARKER, embedded_gguf
-from adaserve.model.loader import load_runner, load_tokenizer, resolve_model
+from adaserve.model.embedded import MARKER, embedded_gguf, resolve_model
+from adaserve.model.loader import load_runner, load_tokenizer
 from adaserve.model.runner import SeqInput
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from adaserve.model.build import resolve_dtype
 from adaserve.model.config import ModelConfig, UnsupportedModelError
-from adaserve.model.embedded import ModelNotFoundError
-from adaserve.model.loader import load_runner, resolve_dtype, resolve_model
+from adaserve.model.embedded import ModelNotFoundError, resolve_model
+from adaserve.model.loader import load_runner
 from adaserve.model.runner import SeqInput
 from tests.conftest import make_tiny_model
 
@@ -85,7 +86,7 @@ def test_sharded_checkpoint_matches_single(tiny_llama_untied_dir: Path, tmp_path
 
 def test_config_reads_eos_from_both_files(tiny_llama_dir: Path) -> None:
     cfg = ModelConfig.from_dir(tiny_llama_dir)
-    assert cfg.architecture == "LlamaForCausalLM" and cfg.kv_group == 2
+    assert cfg.architecture == "LlamaForCausalLM" and cfg.num_heads // cfg.num_kv_heads == 2
     raw = json.loads((tiny_llama_dir / "config.json").read_text())
     raw["eos_token_id"] = 2
     cfg = ModelConfig.from_dict(raw, generation={"eos_token_id": [2, 7]})
@@ -150,7 +151,7 @@ def test_distilled_drafter_borrows_target_embedding(tiny_llama_dir: Path, tmp_pa
 
 def test_embedded_drafter_hook() -> None:
     """`embedded` as a drafter is the shipped distilled drafter, or a clear error."""
-    from adaserve.model.loader import DRAFTER_ASSET
+    from adaserve.model.embedded import DRAFTER_ASSET
 
     if (DRAFTER_ASSET / "config.json").is_file():
         assert resolve_model("embedded", role="drafter") == DRAFTER_ASSET

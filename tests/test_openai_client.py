@@ -748,7 +748,7 @@ def test_smollm2_chat_equals_its_own_greedy_output(tmp_path: Path) -> None:
     gateway: the chat answer equals the model's own greedy output in transformers."""
     from transformers import AutoTokenizer
 
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
 
     target = resolve_model("embedded")
     vproc, vaddr = start_verifier(tmp_path, Path("embedded"), None, name="smollm2")

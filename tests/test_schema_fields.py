@@ -27,7 +27,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 # Accepted and documented to change nothing (docs/API.md: identifiers and cache hints).
 INERT = {"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
-# Read by the gateway when it shapes the response (gateway/app.py's _Shape), not sent
+# Read by the gateway when it shapes the response (gateway/streaming.py's Shape), not sent
 # to the unit: checked through the body's own properties below.
 SHAPE = {"stream", "stream_options"}
 

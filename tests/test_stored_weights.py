@@ -290,7 +290,7 @@ def test_the_choice_is_logged_and_exported(stored, caplog):
 
 
 def _dir() -> Path:
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
 
     return resolve_model("embedded")
 

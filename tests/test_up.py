@@ -191,7 +191,7 @@ def test_bad_arguments() -> None:
 
 
 def test_service_env_bounds_openmp_spinning_unless_told_otherwise() -> None:
-    from adaserve.commands.up import service_env
+    from adaserve.commands.launcher import service_env
 
     env = service_env({"PATH": "/bin"})
     assert env["GOMP_SPINCOUNT"] == "30000" and env["PYTHONUNBUFFERED"] == "1"

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.distill.pipeline import DistillJob, GenSettings, run
     from adaserve.distill.train import TrainConfig
     from adaserve.distill.weights import read_config
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,7 +30,6 @@ from collections import defaultdict
 from pathlib import Path
 
 PROMPTS = Path(__file__).resolve().parent.parent / "distill" / "prompts" / "heldout.jsonl"
-EMBEDDED_EAGLE = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-eagle"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.distill.data import Sequences, read_prompt_file
     from adaserve.distill.generate import generate_all
     from adaserve.distill.weights import load_teacher
-    from adaserve.model.loader import load_tokenizer, resolve_model
+    from adaserve.model.embedded import resolve_model
+    from adaserve.model.loader import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _eagle_dir(name: str) -> Path | None:
     from adaserve.distill.eagle_export import is_eagle_dir
+    from adaserve.model.embedded import EAGLE_ASSET, EMBEDDED_EAGLE
 
-    if name == "embedded-eagle":
-        if not is_eagle_dir(EMBEDDED_EAGLE):
-            raise FileNotFoundError(f"embedded-eagle: {EMBEDDED_EAGLE} holds no EAGLE head")
-        return EMBEDDED_EAGLE
+    if name == EMBEDDED_EAGLE:
+        if not is_eagle_dir(EAGLE_ASSET):
+            raise FileNotFoundError(f"{EMBEDDED_EAGLE}: {EAGLE_ASSET} holds no EAGLE head")
+        return EAGLE_ASSET
     return Path(name) if name != "ngram" and is_eagle_dir(Path(name)) else None
 
 
@@ -194,7 +195,7 @@ def _measure(
         source = "ngram"
     else:
         from adaserve.distill.export import load_drafter
-        from adaserve.model.loader import resolve_model
+        from adaserve.model.embedded import resolve_model
 
         drafter_dir = resolve_model(name, "drafter")
         student, head, d2t = load_drafter(drafter_dir, target_dir)

@@ -13,15 +13,11 @@ from safetensors.torch import load_file, save_file
 from adaserve.distill.llama import LlamaModel
 from adaserve.distill.weights import read_config
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "vocab.json",
-    "merges.txt",
-)
+# What a drafter directory takes from its target: the generation config (its EOS ids,
+# which ModelConfig merges in). No tokenizer: a drafter shares its target's vocabulary
+# (it borrows the target's embedding; d2t maps its ids to the target's), so the tokenizer
+# is the target's, stored once, with the target (`load_tokenizer(target)`).
+FROM_TARGET = ("generation_config.json",)
 VOCAB_FILE = "draft_vocab.safetensors"
 
 
@@ -98,7 +94,7 @@ def write_drafter_dir(
     out: Path, state: dict[str, torch.Tensor], d2t: torch.Tensor, cfg: dict, target_dir: Path
 ) -> None:
     """Weights (in cfg's adaserve_weight_format), d2t, config.json and the target's
-    tokenizer files: what every distilled drafter directory holds."""
+    generation config: what every distilled drafter directory holds."""
     out.mkdir(parents=True, exist_ok=True)
     weight_format = cfg["adaserve_weight_format"]
     if weight_format == "int8_rowwise":
@@ -110,7 +106,7 @@ def write_drafter_dir(
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_file({"d2t": d2t.long().cpu().contiguous()}, str(out / VOCAB_FILE))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
+    for name in FROM_TARGET:
         if (Path(target_dir) / name).is_file():
             shutil.copy(Path(target_dir) / name, out / name)
 

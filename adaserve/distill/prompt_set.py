@@ -12,11 +12,34 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
-from adaserve.distill import prompt_topics as T
-
 PROMPTS_DIR = Path(__file__).parent / "prompts"
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic, task and text lists prompts are composed from: data, kept in
+    prompt_topics.json. The train_* and heldout_* lists are disjoint
+    (tests/test_distill_prompts.py checks it)."""
+
+    languages: list[str]
+    names: list[str]
+    math_items: list[str]
+    recipients: list[str]
+    train_topics: list[str]
+    heldout_topics: list[str]
+    train_tasks: list[str]
+    heldout_tasks: list[str]
+    train_concepts: list[str]
+    heldout_concepts: list[str]
+    train_activities: list[str]
+    heldout_activities: list[str]
+    heldout_texts: list[str]
+
+
+TOPICS = Topics(**json.loads((Path(__file__).parent / "prompt_topics.json").read_text("utf-8")))
 
 EXPLAIN = [
     "Explain {t} in simple terms.",
@@ -90,7 +113,7 @@ SUMMARIZE = [
 
 def _math(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 20)
-    item, name = rng.choice(T.MATH_ITEMS), rng.choice(T.NAMES)
+    item, name = rng.choice(TOPICS.math_items), rng.choice(TOPICS.names)
     return rng.choice(
         [
             f"What is {a} + {b}?",
@@ -133,7 +156,7 @@ def build(
                 }
             )
     for task in tasks:
-        for lang in rng.sample(T.LANGUAGES, 5):
+        for lang in rng.sample(TOPICS.languages, 5):
             out.append(
                 {"category": "coding", **_user(rng.choice(CODING).format(lang=lang, task=task))}
             )
@@ -143,7 +166,7 @@ def build(
     for a in activities:
         for tpl in rng.sample(CHAT, 5):
             out.append({"category": "chat", **_user(tpl.format(a=a))})
-        who, what = rng.choice(T.RECIPIENTS), a
+        who, what = rng.choice(TOPICS.recipients), a
         out.append({"category": "chat", **_user(rng.choice(WRITING).format(who=who, what=what))})
     for text in texts:  # hand-written texts: summarisation without a writer stage
         for tpl in rng.sample(SUMMARIZE, 3):
@@ -155,21 +178,21 @@ def build(
 
 def main() -> None:
     train = build(
-        T.TRAIN_TOPICS,
-        T.TRAIN_TASKS,
-        T.TRAIN_CONCEPTS,
-        T.TRAIN_ACTIVITIES,
+        TOPICS.train_topics,
+        TOPICS.train_tasks,
+        TOPICS.train_concepts,
+        TOPICS.train_activities,
         [],
         random.Random(1),
         n_math=600,
         per_topic=10,
     )
     heldout = build(
-        T.HELDOUT_TOPICS,
-        T.HELDOUT_TASKS,
-        T.HELDOUT_CONCEPTS,
-        T.HELDOUT_ACTIVITIES,
-        T.HELDOUT_TEXTS,
+        TOPICS.heldout_topics,
+        TOPICS.heldout_tasks,
+        TOPICS.heldout_concepts,
+        TOPICS.heldout_activities,
+        TOPICS.heldout_texts,
         random.Random(2),
         n_math=20,
         per_topic=2,

@@ -50,11 +50,6 @@ class ModelConfig:
     source: str = ""  # the directory it came from, for error messages
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def kv_group(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads
-
     @staticmethod
     def from_dir(path: str | Path) -> ModelConfig:
         path = Path(path)

@@ -6,9 +6,8 @@ replays, and the two users of it.
   caller owns the static buffers the step reads and writes: it fills them, then
   replays. Nothing else in the tree calls `torch.cuda.graph`.
 - `GraphedDraftModel` / `install_draft_graphs`: the drafter's beam steps 2..d on the
-  Triton attention backend (the drafter path and `benchmarks/gpu/`).
-- `DraftStepGraphs`: any step over a dict of tensors, padded to (n bucket, w); its
-  eager form is how the padding is checked on CPU (`tests/test_speculate_cuda_graphs.py`).
+  Triton attention backend (`benchmarks/gpu/`; the served drafter does not install
+  them yet).
 - `adaserve/distill/generate.py` runs its fixed-shape decode step through a
   `GraphRunner` with one key.
 - The verifier's shapes: `verify_capture_keys` (batch bucket x token bucket),
@@ -29,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -52,38 +51,6 @@ def pick_bucket(n: int, buckets: Sequence[int] = DEFAULT_N_BUCKETS) -> int | Non
         raise ValueError(f"pick_bucket: n must be >= 1, got {n}")
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else None
-
-
-def pad_inputs(
-    inputs: Mapping[str, torch.Tensor],
-    n: int,
-    width: int,
-    bucket: int,
-    fills: Mapping[str, float] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Each input padded along dim 0 from n to `bucket` rows (per-request inputs) or
-    from n*width to bucket*width rows (per-token inputs), with `fills[key]` (default 0)."""
-    if bucket < n:
-        raise ValueError(f"pad_inputs: bucket {bucket} is smaller than n={n}")
-    fills = fills or {}
-    out = {}
-    for key, x in inputs.items():
-        rows = x.shape[0] if x.dim() else -1
-        if rows == n * width:
-            target = bucket * width
-        elif rows == n:
-            target = bucket
-        else:
-            raise ValueError(
-                f"pad_inputs: input {key!r} has {rows} rows; expected n={n} (per request) "
-                f"or n*w={n * width} (per token)"
-            )
-        if target == rows:
-            out[key] = x
-            continue
-        pad = x.new_full((target - rows, *x.shape[1:]), fills.get(key, 0))
-        out[key] = torch.cat([x, pad], dim=0)
-    return out
 
 
 # ---- the runner ------------------------------------------------------------------------
@@ -132,85 +99,6 @@ class GraphRunner(Generic[K, T]):
 
 
 # ---- any step over a dict of tensors ----------------------------------------------------
-
-StepFn = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]  # -> [n*w, ...] per token
-
-
-class DraftStepGraphs:
-    """Runs `step_fn` through CUDA graphs captured per (n bucket, w), eager otherwise.
-
-    Inputs are a dict of tensors whose leading dimension is either n (per-request rows,
-    e.g. sequence lengths or block tables) or n*w (per-token rows, e.g. token ids,
-    positions); trailing dimensions must be the same on every call of a bucket.
-    `capture(make_inputs)` captures every (bucket, w) largest first; `__call__` copies
-    the padded inputs into the graph's static buffers, replays, and returns the first
-    n*w rows."""
-
-    def __init__(
-        self,
-        step_fn: StepFn,
-        widths: Sequence[int],
-        n_buckets: Sequence[int] = DEFAULT_N_BUCKETS,
-        fills: Mapping[str, float] | None = None,
-        enabled: bool | None = None,
-    ) -> None:
-        if list(n_buckets) != sorted(set(n_buckets)) or not n_buckets or n_buckets[0] < 1:
-            raise ValueError(f"n_buckets must be increasing positive integers, got {n_buckets}")
-        self.step_fn = step_fn
-        self.widths = tuple(widths)
-        self.n_buckets = tuple(n_buckets)
-        self.fills = dict(fills or {})
-        self.enabled = torch.cuda.is_available() if enabled is None else enabled
-        self._static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._graphs: GraphRunner[tuple[int, int], torch.Tensor] = GraphRunner()
-
-    def shape_for(self, n: int, width: int) -> tuple[int, int] | None:
-        """The (n bucket, w) graph a step of n requests at width w replays, or None."""
-        bucket = pick_bucket(n, self.n_buckets)
-        return None if bucket is None or width not in self.widths else (bucket, width)
-
-    def capture(self, make_inputs: Callable[[int, int], Mapping[str, torch.Tensor]]) -> None:
-        """Capture every (bucket, w); make_inputs(bucket, w) gives valid dummy inputs."""
-        if not self.enabled:
-            return
-        keys = [(b, w) for w in sorted(self.widths, reverse=True) for b in self.n_buckets[::-1]]
-        for b, w in keys:
-            self._static[(b, w)] = {k: v.clone() for k, v in make_inputs(b, w).items()}
-        self._graphs.capture(keys, lambda key: self.step_fn(self._static[key]))
-
-    def __call__(self, inputs: Mapping[str, torch.Tensor], n: int, width: int) -> torch.Tensor:
-        key = self.shape_for(n, width)
-        if (
-            key is None
-            or key not in self._graphs
-            or not _fits(self._static[key], inputs, n, width, key[0])
-        ):
-            return self.step_fn(inputs)  # eager: CPU, unknown shape, or n above the buckets
-        for k, v in pad_inputs(inputs, n, width, key[0], self.fills).items():
-            self._static[key][k].copy_(v)
-        return self._graphs.replay(key)[: n * width].clone()
-
-    def eager_padded(self, inputs: Mapping[str, torch.Tensor], n: int, width: int) -> torch.Tensor:
-        """What a replay computes, run eagerly: pad to the bucket, run, drop padding.
-        The CPU tests compare this with the unpadded step."""
-        key = self.shape_for(n, width)
-        if key is None:
-            return self.step_fn(inputs)
-        return self.step_fn(pad_inputs(inputs, n, width, key[0], self.fills))[: n * width]
-
-
-def _fits(static: Mapping[str, torch.Tensor], inputs, n: int, width: int, bucket: int) -> bool:
-    """Same keys and trailing shapes as the captured buffers (else run eager)."""
-    if static.keys() != inputs.keys():
-        return False
-    for k, v in inputs.items():
-        s = static[k]
-        if v.shape[1:] != s.shape[1:] or v.dtype != s.dtype:
-            return False
-        if s.shape[0] not in (bucket, bucket * width):
-            return False
-    return True
-
 
 # ---- padded rows' KV slot ------------------------------------------------------------------
 

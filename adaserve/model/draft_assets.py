@@ -32,6 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from adaserve.model.embedded import resolve_model
+
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 
@@ -47,10 +49,7 @@ def _find_target_dir(config: dict, target: str | Path | None) -> Path:
     path = Path(spec)
     if path.is_dir() and any(path.glob("*.safetensors")):
         return path
-    try:  # "embedded", a GGUF file, ...: the runtime's resolver converts once and caches
-        from adaserve.model.loader import resolve_model
-    except ImportError as exc:
-        raise ValueError(f"cannot resolve target {spec!r}: pass a Hugging Face directory") from exc
+    # "embedded", a GGUF file, ...: the runtime's resolver converts once and caches
     return Path(resolve_model(str(spec)))
 
 

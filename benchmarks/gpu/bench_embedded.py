@@ -37,8 +37,9 @@ from run_all import divergence_gap, engine_generate, sync, table  # noqa: E402
 
 from adaserve.demo_prompts import BY_CLASS  # noqa: E402
 from adaserve.engine_build import eos_token_ids  # noqa: E402
-from adaserve.model.attention import resolve_backend  # noqa: E402
-from adaserve.model.loader import load_runner, load_tokenizer, resolve_model  # noqa: E402
+from adaserve.model.attention_setting import resolve_backend  # noqa: E402
+from adaserve.model.embedded import resolve_model  # noqa: E402
+from adaserve.model.loader import load_runner, load_tokenizer  # noqa: E402
 from adaserve.model.runner import ModelRunner  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from adaserve.distill.export import export_drafter
-from adaserve.model.loader import resolve_model
+from adaserve.model.embedded import resolve_model
 
 
 def main(files: Path, target: str, dest: Path, weight_format: str = "float") -> None:

@@ -32,18 +32,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from adaserve.model.attention import (  # noqa: E402
-    ReferenceBackend,
-    make_backend,
-    resolve_backend,
-)
+from adaserve.model.attention import ReferenceBackend  # noqa: E402
+from adaserve.model.attention_setting import make_backend, resolve_backend  # noqa: E402
 from adaserve.model.config import ModelConfig  # noqa: E402
 from adaserve.model.kv_cache import KVStorage, PagedKVCache  # noqa: E402
 from adaserve.model.layers import TPGroup  # noqa: E402
 from adaserve.model.llama import LlamaModel  # noqa: E402
-from adaserve.model.random_trees import random_qkv, random_tree_batch  # noqa: E402
 from adaserve.model.runner import ModelRunner, SeqInput  # noqa: E402
 from adaserve.model.weights import WeightSource  # noqa: E402
+from tests._attention_trees import random_qkv, random_tree_batch  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -74,7 +74,7 @@ def measure(workload: dict, base: Path, shared_cpu: bool) -> None:
     """Under the environment `adaserve up` gives the verifier in the layout being
     validated (how idle OpenMP threads wait changes the cost of a small forward), five
     repetitions a point."""
-    from adaserve.commands.up import service_env
+    from adaserve.commands.launcher import service_env
 
     profile = (base / workload["profile"]).resolve()
     trace = (base / workload["acceptance"]["trace"]).resolve()

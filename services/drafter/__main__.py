@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so `adaserve drafter --help` never pays for torch.
     from adaserve.config import load_settings
     from adaserve.model.eagle import is_eagle_dir
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
     from adaserve.torch_thread import torch_thread
     from services.common import tls
     from services.common.server import run_until_signal
@@ -98,7 +98,7 @@ def _eagle(model: str, args: argparse.Namespace, settings: Settings) -> Drafter:
     import torch
 
     from adaserve.engine_build import build_eagle_drafter
-    from adaserve.model.loader import resolve_model
+    from adaserve.model.embedded import resolve_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

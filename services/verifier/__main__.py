@@ -97,12 +97,9 @@ def run(args: argparse.Namespace) -> int:
     for warning in oversubscription(current(), computing_processes=args.tp or 1):
         log.warning(warning)
     # Imported here so `adaserve verifier --help` never pays for torch.
-    from adaserve.model.loader import (
-        ModelNotFoundError,
-        UnsupportedModelError,
-        load_tokenizer,
-        resolve_model,
-    )
+    from adaserve.model.config import UnsupportedModelError
+    from adaserve.model.embedded import ModelNotFoundError, resolve_model
+    from adaserve.model.loader import load_tokenizer
     from adaserve.torch_thread import torch_thread
     from services.common import tls
     from services.common.server import run_until_signal

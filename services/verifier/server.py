@@ -17,23 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from adaserve.calibration import Baseline
-from adaserve.chat import render as chat_render
 from adaserve.chat import tool_call_format
 from adaserve.config import Settings
 from adaserve.engine import Engine, EngineDraining, EngineFull
-from adaserve.request import GenerationRequest, SamplingParams, StructuredOutput, TokenDelta
+from adaserve.request import GenerationRequest, SamplingParams, TokenDelta
 from adaserve.routing import PrefixLog
 from adaserve.rpc.v1 import verifier_pb2 as vpb
 from adaserve.rpc.v1 import verifier_pb2_grpc as vgrpc
@@ -41,12 +38,18 @@ from adaserve.sampling import sequence_seed
 from adaserve.slo import describe
 from adaserve.stream import RequestStream
 from services.common.convert import (
-    finish_reason_to_pb,
     load_to_pb,
     logprobs_to_pb,
     speculation_method_from_pb,
 )
 from services.common.server import GrpcServer, Service
+from services.verifier.convert import (
+    ResolvedSLO,
+    baseline_to_pb,
+    chunk_to_pb,
+    render_chat,
+    structured_output_from_pb,
+)
 
 log = logging.getLogger("adaserve.verifier")
 
@@ -188,10 +191,10 @@ class VerifierServicer(vgrpc.VerifierServicer):
                 self.engine.abort(rid)
 
     async def _chunk_pb(
-        self, delta: TokenDelta, index: int, slo: _SLO, t0: float, prompt: tuple[int, ...]
+        self, delta: TokenDelta, index: int, slo: ResolvedSLO, t0: float, prompt: tuple[int, ...]
     ) -> vpb.GenerateChunk:
         loop = asyncio.get_running_loop()
-        chunk = _chunk(delta, slo, t0)
+        chunk = chunk_to_pb(delta, slo, _ms_since(t0))
         chunk.index = index
         if delta.logprobs is not None:
             lp = delta.logprobs
@@ -255,7 +258,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             },
             speculation_methods=list(info.speculation_methods),
             tool_call_format=tool_call_format(self.tokenizer) if self.tokenizer else "",
-            baseline=_baseline_pb(info.baseline),
+            baseline=baseline_to_pb(info.baseline),
             quantization=info.quantization,
         )
 
@@ -391,7 +394,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
         if which == "text":
             ids = list(tok.encode(request.text, add_special_tokens=request.add_special_tokens))
         elif which == "chat":
-            ids = _render_chat(tok, request.chat)
+            ids = render_chat(tok, request.chat)
         else:
             raise ValueError("prompt: one of text or messages is required")
         pieces = self._decode_each(set(ids))
@@ -408,10 +411,10 @@ class VerifierServicer(vgrpc.VerifierServicer):
         if which == "text":
             return tuple(tok.encode(request.text))
         if which == "chat":
-            return tuple(_render_chat(tok, request.chat))
+            return tuple(render_chat(tok, request.chat))
         raise ValueError("prompt: one of text, chat or token_ids is required")
 
-    def _slo(self, request: vpb.GenerateRequest) -> _SLO:
+    def _slo(self, request: vpb.GenerateRequest) -> ResolvedSLO:
         """The request's SLOs: explicit values win, then its class's (TTFT: only where
         the class sets one)."""
         slo = self.settings.slo
@@ -420,14 +423,14 @@ class VerifierServicer(vgrpc.VerifierServicer):
             cls = slo.classes.get(request.slo_class)
             if ttft is None and cls is not None:
                 ttft = cls.ttft_ms
-            return _SLO(request.tpot_slo_ms, ttft, request.slo_class or CUSTOM_SLO_CLASS)
+            return ResolvedSLO(request.tpot_slo_ms, ttft, request.slo_class or CUSTOM_SLO_CLASS)
         name = request.slo_class or slo.default_class
         if name not in slo.classes:
             known = ", ".join(sorted(slo.classes))
             raise ValueError(f"slo_class: unknown class {name!r}; known classes: {known}")
         cls = slo.classes[name]
         tpot = cls.resolve_ms(self.engine.info().baseline_tpot_ms)
-        return _SLO(tpot, ttft if ttft is not None else cls.ttft_ms, name)
+        return ResolvedSLO(tpot, ttft if ttft is not None else cls.ttft_ms, name)
 
     def _sampling(self, sp: vpb.SamplingParams, num_prompt: int) -> SamplingParams:
         max_tokens = sp.max_tokens
@@ -461,7 +464,7 @@ class VerifierServicer(vgrpc.VerifierServicer):
             allowed_token_ids=tuple(sp.allowed_token_ids),
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
             prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
-            structured=_structured(sp.structured_output)
+            structured=structured_output_from_pb(sp.structured_output)
             if sp.HasField("structured_output")
             else None,
         )
@@ -482,19 +485,6 @@ class VerifierServicer(vgrpc.VerifierServicer):
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
         return tuple(out)
-
-
-def _baseline_pb(b: Baseline | None) -> vpb.BaselineInfo | None:
-    if b is None:
-        return None
-    return vpb.BaselineInfo(
-        source=b.source,
-        measured_at=b.measured_at,
-        load_1m=b.load_1m,
-        cores=b.cores,
-        settled=b.settled,
-        recalibrations=b.recalibrations,
-    )
 
 
 def resolved_classes(settings: Settings, baseline_tpot_ms: float) -> dict[str, float]:
@@ -519,18 +509,6 @@ def log_slos(engine: Engine, settings: Settings) -> None:
     )
 
 
-def _structured(so: vpb.StructuredOutput) -> StructuredOutput:
-    field = so.field or "structured_output"
-    which = so.WhichOneof("kind")
-    if which == "json_object":
-        return StructuredOutput("json_object", field=field)
-    if which == "choice":
-        return StructuredOutput("choice", json.dumps(list(so.choice.choices)), field=field)
-    if which in ("json_schema", "regex", "grammar"):
-        return StructuredOutput(which, getattr(so, which), field=field)
-    raise ValueError(f"{field}: one of json_schema, json_object, regex, choice or grammar")
-
-
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenDelta]]:
     """(sequence index, delta) from n streams as they come, until every one finished."""
     if len(streams) == 1:
@@ -553,68 +531,6 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Toke
     finally:
         for t in tasks:
             t.cancel()
-
-
-def _render_chat(tokenizer: Any, chat: vpb.ChatMessages) -> list[int]:
-    messages = [
-        {
-            "role": m.role,
-            "content": m.content,
-            **({"name": m.name} if m.name else {}),
-            **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
-            **(
-                {
-                    "tool_calls": [
-                        {"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls
-                    ]
-                }
-                if m.tool_calls
-                else {}
-            ),
-        }
-        for m in chat.messages
-    ]
-    tools = None
-    if chat.tools_json:
-        try:
-            tools = json.loads(chat.tools_json)
-        except ValueError:
-            raise ValueError("tools: not valid JSON") from None
-        if not isinstance(tools, list):
-            raise ValueError("tools: must be a list")
-    return chat_render(
-        tokenizer,
-        messages,
-        tools,
-        add_generation_prompt=chat.add_generation_prompt,
-        continue_final_message=chat.continue_final_message,
-    )
-
-
-@dataclass(frozen=True)
-class _SLO:
-    tpot_ms: float
-    ttft_ms: float | None
-    name: str  # the metrics class ("custom" for an explicit tpot_slo_ms)
-
-
-def _chunk(delta: TokenDelta, slo: _SLO, t0: float) -> vpb.GenerateChunk:
-    out = vpb.GenerateChunk(
-        token_ids=delta.token_ids,
-        text=delta.text,
-        finish_reason=finish_reason_to_pb(delta.finish_reason),
-        num_prompt_tokens=delta.num_prompt_tokens,
-        num_generated=delta.num_generated,
-        tpot_slo_ms=slo.tpot_ms,
-        ttft_slo_ms=slo.ttft_ms or 0.0,
-        slo_class=slo.name,
-        best_effort=delta.best_effort,
-        error=delta.error or "",
-        server_elapsed_ms=_ms_since(t0),
-    )
-    if delta.ttft_ms is not None:
-        out.ttft_ms = delta.ttft_ms
-    return out
 
 
 def _ms_since(t0: float) -> float:

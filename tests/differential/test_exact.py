@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from adaserve.bench.fuzz import WEATHER
+from adaserve.bench.fuzz_cases import WEATHER
 from tests.differential._helpers import METHODS, post, stream_chat
 
 pytestmark = pytest.mark.slow  # one all-in-one server with the embedded pair

@@ -9,7 +9,9 @@ import asyncio
 
 import pytest
 
-from adaserve.bench.fuzz import LOGPROB_ATOL, Case, Fuzzer, _reductions, compare, draw, normalise
+from adaserve.bench.fuzz import Fuzzer
+from adaserve.bench.fuzz_cases import Case, draw, reductions
+from adaserve.bench.fuzz_compare import LOGPROB_ATOL, compare, normalise
 
 SEED = 20261128
 SECONDS = 90.0  # about 15-20 cases (two requests each) on a busy 2-core CPU
@@ -143,7 +145,7 @@ def test_shrinking_drops_fields_and_halves() -> None:
         },
         "model",
     )
-    bodies = [c.body for c in _reductions(case)]
+    bodies = [c.body for c in reductions(case)]
     assert {"messages": case.body["messages"], "max_tokens": 8, "stop": [".", ","]} in bodies
     assert any(b["max_tokens"] == 4 for b in bodies)
     assert any(b.get("stop") == ["."] for b in bodies)
@@ -158,6 +160,6 @@ def test_shrinking_drops_fields_and_halves() -> None:
         {"prompt": "hello", "max_tokens": 4, "temperature": 0.8, "seed": 3, "top_k": 5},
         "auto",
     )
-    bodies = [c.body for c in _reductions(sampled)]
+    bodies = [c.body for c in reductions(sampled)]
     assert all(b.get("temperature") == 0.0 or "seed" in b for b in bodies)
     assert {"prompt": "hello", "max_tokens": 4, "temperature": 0.0} in bodies

@@ -1,4 +1,5 @@
-"""Random tree batches over a real paged KV cache, for attention tests and benchmarks.
+"""Random tree batches over a real paged KV cache, for the attention tests and
+benchmarks/gpu/run_all.py.
 
 `random_tree_batch` lays out sequences the way the runner does (committed prefix,
 then scratch nodes with random parents) and returns the backend-neutral `AttentionBatch`
