@@ -25,25 +25,36 @@ PACKAGE = "adaserve"
 GROUPS: dict[str, tuple[str, ...]] = {
     "cli": ("__main__", "cli"),
     "config": ("__init__", "config"),
+    # The serving engine: the package, its assembly, and what wraps or measures it.
     "engine": (
         "engine",
         "engine_build",
-        "batching",
+        "stream",
         "calibration",
         "checks",
         "cpu_load",
         "fallback",
         "isolation",
-        "target",
         "torch_thread",
     ),
     "metrics": ("metrics",),
-    "drafting": ("speculate", "eagle_drafter", "ngram", "methods", "features"),
-    "scheduling": ("scheduler", "selection", "slo", "latency", "adaptive"),
-    "decoding": ("verify", "sampling", "logits_process", "grammar", "detokenize"),
-    "requests": ("request", "stream", "chat", "demo_prompts"),
+    # The papers' stages: policy (A(r), Algorithms 1 and 2, d/w, batch planning, method
+    # choice, routing), drafting (the interface and the drafters), target (the interface,
+    # the runner's forward, verification, sampling, logits processing).
+    "policy": (
+        "scheduler",
+        "selection",
+        "slo",
+        "latency",
+        "adaptive",
+        "batching",
+        "methods",
+        "routing",
+    ),
+    "drafting": ("drafter", "speculate", "eagle_drafter", "ngram", "features"),
+    "target": ("target", "runner_target", "verify", "sampling", "logits_process", "grammar"),
+    "requests": ("request", "chat", "demo_prompts", "detokenize"),
     "tree": ("tree",),
-    "routing": ("routing",),
 }
 
 
@@ -190,23 +201,23 @@ def _shortest_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str
     return best
 
 
-def group_of(name: str, package: str = PACKAGE) -> str:
+def group_of(name: str, package: str = PACKAGE, root: Path = ROOT) -> str:
     """The picture's node for module `name`: its subpackage, or its top-level group."""
     parts = name.split(".")[1:]
-    if len(parts) > 1 or (parts and (ROOT / package / parts[0]).is_dir()):
+    if len(parts) > 1 or (parts and (root / package / parts[0]).is_dir()):
         return parts[0]  # a subpackage (adaserve.rpc.v1 is rpc)
     top = parts[0] if parts else "__init__"
     return next((g for g, members in GROUPS.items() if top in members), top)
 
 
-def mermaid(graph: dict[str, set[str]]) -> str:
+def mermaid(graph: dict[str, set[str]], root: Path = ROOT) -> str:
     """The graph between groups as a Mermaid `graph LR` block, edges sorted."""
     edges: set[tuple[str, str]] = set()
     nodes: set[str] = set()
     for source, targets in graph.items():
-        a = group_of(source)
+        a = group_of(source, root=root)
         nodes.add(a)
-        edges.update((a, b) for b in map(group_of, targets) if b != a)
+        edges.update((a, b) for t in targets if (b := group_of(t, root=root)) != a)
     lines = ["```mermaid", "graph LR"]
     lines += [f"    {n}" for n in sorted(nodes)]
     lines += [f"    {a} --> {b}" for a, b in sorted(edges)]
@@ -214,9 +225,31 @@ def mermaid(graph: dict[str, set[str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    graph = module_graph()
-    print(mermaid(graph))
+def within(graph: dict[str, set[str]], package: str) -> str:
+    """The graph among the modules of one subpackage (e.g. adaserve.engine) as a Mermaid
+    `graph TD` block, each node the module's last name."""
+    prefix = package + "."
+    inside = {m for m in graph if m.startswith(prefix)}
+    lines = ["```mermaid", "graph TD"]
+    lines += [f"    {m.removeprefix(prefix)}" for m in sorted(inside)]
+    for m in sorted(inside):
+        for t in sorted(graph[m] & inside):
+            lines.append(f"    {m.removeprefix(prefix)} --> {t.removeprefix(prefix)}")
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`--root DIR`: the graph of another checkout (e.g. `git archive REV adaserve`
+    unpacked there), to draw a before-and-after. `--within PACKAGE` (e.g.
+    adaserve.engine): the graph among that subpackage's modules instead."""
+    args = sys.argv[1:] if argv is None else argv
+    root = Path(args[args.index("--root") + 1]) if "--root" in args else ROOT
+    graph = module_graph(root)
+    if "--within" in args:
+        print(within(graph, args[args.index("--within") + 1]))
+    else:
+        print(mermaid(graph, root))
     cycles = find_cycles(graph)
     for cycle in cycles:
         print("import cycle: " + " -> ".join(cycle), file=sys.stderr)
