@@ -209,7 +209,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def all_in_one(
-    log_dir: Path, args: list[str] | None = None, timeout_s: float = 600.0
+    log_dir: Path,
+    args: list[str] | None = None,
+    timeout_s: float = 600.0,
+    kv_blocks: int | None = None,
+    metrics_port: int = 0,
 ) -> Iterator[str]:
     """`adaserve up --all-in-one` (the embedded pair unless `args` says otherwise) on a
     free port; yields its base URL once /ready answers, stops it after."""
@@ -225,12 +229,14 @@ def all_in_one(
         "--port",
         str(port),
         "--metrics-port",
-        "0",
+        str(metrics_port),  # 0: no engine metrics
         "--log-dir",
         str(log_dir),
         *(args or []),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if kv_blocks is not None:  # a small KV cache: concurrent cases preempt each other
+        env["ADASERVE_ENGINE__KV_BLOCKS"] = str(kv_blocks)
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
@@ -260,3 +266,16 @@ def all_in_one(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def preemptions(metrics_url: str) -> float | None:
+    """adaserve_num_preemptions_total from an engine's metrics endpoint (None: unreadable)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("adaserve_num_preemptions_total "):
+            return float(line.split()[1])
+    return None

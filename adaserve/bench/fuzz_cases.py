@@ -59,6 +59,7 @@ SCHEMA = {
 }
 REGEX = r"[A-Z][a-z]{1,8}( [a-z]{1,8}){0,3}\."
 CHOICES = ["red", "green", "blue", "yellow"]
+BAD_WORDS = [" the", "The", " cat", "def", " is", ","]
 
 
 @dataclass
@@ -156,6 +157,16 @@ def _draw_logprobs(rng: random.Random, case: Case, chat: bool) -> None:
     if not chat and rng.random() < 0.15 and not body.get("stream"):
         body["echo"] = True
         feats.append("echo")
+    if rng.random() < 0.1 and not body.get("stream"):
+        # vLLM's: the prompt's logprobs, scored while it is prefilled (in chunks that
+        # differ with the load, and never taken from the prefix cache).
+        body["prompt_logprobs"] = rng.randint(0, 3)
+        feats.append("prompt_logprobs")
+    if not chat and rng.random() < 0.1 and not body.get("stream"):
+        # vLLM's: best_of sequences drawn, the n with the highest cumulative logprob
+        # returned.
+        body["best_of"] = body.get("n", 1) + rng.randint(1, 2)
+        feats.append("best_of")
 
 
 def _draw_processors(rng: random.Random, case: Case) -> None:
@@ -176,6 +187,9 @@ def _draw_processors(rng: random.Random, case: Case) -> None:
     if rng.random() < 0.15:
         body["min_tokens"] = rng.randint(1, body["max_tokens"])
         feats.append("min_tokens")
+    if rng.random() < 0.1:  # vLLM's: token sequences the output never completes
+        body["bad_words"] = rng.sample(BAD_WORDS, rng.randint(1, 2))
+        feats.append("bad_words")
 
 
 def _draw_structure(rng: random.Random, case: Case, chat: bool) -> bool:

@@ -37,6 +37,8 @@ def normalise(
         for c in payload.get("choices") or []:
             _merge(choices.setdefault(c["index"], _empty()), c)
     out: dict[str, Any] = {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
+    if body is not None and body.get("prompt_logprobs") is not None:  # chat: response-level
+        out["prompt_logprobs"] = body["prompt_logprobs"]
     if error is not None:
         out["stream_error"] = [error.get("type"), error.get("param")]
     return out
@@ -51,6 +53,7 @@ def _empty() -> dict[str, Any]:
         "logprobs": [],
         "top": [],
         "offsets": [],
+        "prompt_logprobs": None,
     }
 
 
@@ -64,6 +67,8 @@ def _merge(into: dict[str, Any], c: dict[str, Any]) -> None:
     else:
         into["text"] += c.get("text") or ""
     into["finish_reason"] = c.get("finish_reason") or into["finish_reason"]
+    if c.get("prompt_logprobs") is not None:  # completions: per choice
+        into["prompt_logprobs"] = c["prompt_logprobs"]
     lp = c.get("logprobs")
     if not lp:
         return
@@ -97,7 +102,15 @@ def compare(plain: dict[str, Any], spec: dict[str, Any]) -> tuple[list[str], flo
         )
     if len(plain["choices"]) != len(spec["choices"]):
         return [*diffs, f"choices: plain {len(plain['choices'])} spec {len(spec['choices'])}"], gap
+    bad, g = _prompt_differs(plain.get("prompt_logprobs"), spec.get("prompt_logprobs"))
+    gap = max(gap, g)
+    if bad:
+        diffs.append("prompt_logprobs differ")
     for i, (p, s) in enumerate(zip(plain["choices"], spec["choices"], strict=True)):
+        bad, g = _prompt_differs(p["prompt_logprobs"], s["prompt_logprobs"])
+        gap = max(gap, g)
+        if bad:
+            diffs.append(f"choice {i} prompt_logprobs differ")
         for key in ("text", "tool_calls", "finish_reason", "tokens", "offsets"):
             if p[key] != s[key]:
                 diffs.append(f"choice {i} {key}: plain {p[key]!r} spec {s[key]!r}")
@@ -145,5 +158,31 @@ def _top_differs(a: dict[str, float], b: dict[str, float]) -> tuple[bool, float]
     for x, y in ((a, b), (b, a)):
         for tok in x.keys() - y.keys():
             if not y or not _close(x[tok], min(y.values())):
+                return True, gap
+    return False, gap
+
+
+def _prompt_differs(a: list | None, b: list | None) -> tuple[bool, float]:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id:
+    {logprob, rank, decoded_token}}; the same ids, ranks and text, logprobs within the
+    tolerance (a top-k entry may swap with one tied at the cut, as top_logprobs)."""
+    if a is None or b is None:
+        return (a is None) != (b is None), 0.0
+    if len(a) != len(b):
+        return True, 0.0
+    gap = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return True, gap
+            continue
+        bad, g = _top_differs(
+            {t: e["logprob"] for t, e in x.items()}, {t: e["logprob"] for t, e in y.items()}
+        )
+        gap = max(gap, g)
+        if bad:
+            return True, gap
+        for t in x.keys() & y.keys():
+            if x[t].get("decoded_token") != y[t].get("decoded_token"):
                 return True, gap
     return False, gap

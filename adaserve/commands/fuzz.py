@@ -38,14 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="extra `adaserve up --all-in-one` arguments when it starts the server",
     )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks of the server it starts (16 tokens each): few enough that "
+        "concurrent cases preempt each other (e.g. 48)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaserve.bench.fuzz import Fuzzer, all_in_one
+    from adaserve.bench.fuzz import Fuzzer, all_in_one, free_port, preemptions
 
-    if args.seconds <= 0 or args.concurrency < 1:
-        print("adaserve fuzz: --seconds must be > 0 and --concurrency >= 1", file=sys.stderr)
+    if args.seconds <= 0 or args.concurrency < 1 or (args.kv_blocks or 1) < 1:
+        print(
+            "adaserve fuzz: --seconds must be > 0, --concurrency and --kv-blocks >= 1",
+            file=sys.stderr,
+        )
         return 2
 
     def go(url: str) -> dict:
@@ -58,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="adaserve-fuzz-") as tmp:
             print("adaserve fuzz: starting adaserve up --all-in-one ...", file=sys.stderr)
-            with all_in_one(Path(tmp), args.up_args.split()) as url:
+            port = free_port()  # the engine's metrics: how often it preempted
+            up = args.up_args.split()
+            with all_in_one(Path(tmp), up, kv_blocks=args.kv_blocks, metrics_port=port) as url:
                 result = go(url)
+                result["server_preemptions"] = preemptions(f"http://127.0.0.1:{port}/metrics")
     for m in result["mismatch_details"]:
         print(f"MISMATCH case {m['case']} (seed {m['seed']}):", file=sys.stderr)
         for d in m["differences"]:

@@ -58,6 +58,9 @@ def test_cases_are_reproducible_from_the_seed() -> None:
         "tpot_slo_ms",
         "ttft_slo_ms",
         "method ngram",
+        "bad_words",
+        "prompt_logprobs",
+        "best_of",
     ):
         assert f in feats, f
 
@@ -163,3 +166,23 @@ def test_shrinking_drops_fields_and_halves() -> None:
     bodies = [c.body for c in reductions(sampled)]
     assert all(b.get("temperature") == 0.0 or "seed" in b for b in bodies)
     assert {"prompt": "hello", "max_tokens": 4, "temperature": 0.0} in bodies
+
+
+def _prompt_lp(lp: float) -> list:
+    return [None, {"42": {"logprob": lp, "rank": 1, "decoded_token": " a"}}]
+
+
+def test_prompt_logprobs_are_compared_within_the_tolerance() -> None:
+    """vLLM's prompt_logprobs, response-level (chat) or per choice (completions): the
+    same tokens and ranks, logprobs within LOGPROB_ATOL, or a difference."""
+    chat = _chat(3)
+    same = normalise(200, {**chat, "prompt_logprobs": _prompt_lp(-1.0)}, None)
+    near = normalise(200, {**chat, "prompt_logprobs": _prompt_lp(-1.0 + LOGPROB_ATOL / 2)}, None)
+    far = normalise(200, {**chat, "prompt_logprobs": _prompt_lp(-1.1)}, None)
+    assert compare(same, near)[0] == []
+    assert compare(same, far)[0] == ["prompt_logprobs differ"]
+    assert compare(same, normalise(200, chat, None))[0] == ["prompt_logprobs differ"]
+    text = {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}
+    a = normalise(200, {"choices": [{**text, "prompt_logprobs": _prompt_lp(-1.0)}]}, None)
+    b = normalise(200, {"choices": [{**text, "prompt_logprobs": _prompt_lp(-2.0)}]}, None)
+    assert compare(a, b)[0] == ["choice 0 prompt_logprobs differ"]
