@@ -142,7 +142,7 @@ class SchedulerSettings(BaseModel):
     # SLO plain decoding of a full batch meets (with prefill stretching every
     # iteration) and whose prompt is at least their max_tokens are not drafted for, and
     # the drafter does not ingest their prompts, unless one is behind its SLO
-    # (Engine._relaxed). True: every request is drafted for, as before.
+    # (engine/admission.py relaxed). True: every request is drafted for, as before.
     draft_relaxed: bool = False
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
@@ -169,7 +169,7 @@ class EngineSettings(BaseModel):
     max_running: PositiveInt = 64
     max_queue: PositiveInt = 256
     # The waiting queue's order when slots or KV gate admission, after `priority`:
-    # "deadline" (the TTFT deadline, then the tighter TPOT SLO; Engine._admission_order)
+    # "deadline" (the TTFT deadline, then the tighter TPOT SLO; engine/admission.py admission_order)
     # or "arrival" (first come, first served: vLLM's fcfs / priority policies).
     admission_order: Literal["deadline", "arrival"] = "deadline"
     kv_block_size: PositiveInt = 16

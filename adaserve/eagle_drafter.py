@@ -15,8 +15,8 @@ g is fuse(the target's features of the position before it), which the engine sen
 dtype or length does not match the update, is a ValueError (the drafter service
 answers INVALID_ARGUMENT; the engine's FallbackDrafter decodes plainly this
 iteration). A request whose state is lost (DrafterStateLost) cannot be re-sent from
-its tokens alone: the engine has the verifier recompute its features (engine.py
-`_recompute_features`).
+its tokens alone: the engine has the verifier recompute its features (adaserve/engine/recovery.py
+`recompute_features`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two kinds of failure reach the engine (torch-free, no clock reads here):
 
 * **A request's own work** raises (its grammar matcher, logits context, tree, stop
   checks, detokenizer, stream): the engine knows whose it is and ends that request alone
-  (`Engine._fail`: finish reason "error", its KV and draft state freed as an abort frees
+  (`engine/lifecycle.py` `fail`: finish reason "error", its KV and draft state freed as an abort frees
   them); the other requests go on in the same iteration. `report` logs it once with the
   request id and counts it.
 * **The batched part** raises (batch formation, selection, the forward): nothing says
