@@ -134,3 +134,12 @@ def test_the_result_file_rule() -> None:
     assert not is_result_file("benchmarks/sim/run.sh")
     assert not is_result_file("benchmarks/bench_verify.py")
     assert not is_result_file("docs/ARCHITECTURE.md")
+
+
+def test_the_readme_is_what_a_user_reads_first() -> None:
+    """What, why, a quick start, one performance table and links; the references live
+    in docs/ (ARCHITECTURE, API, CONFIGURATION, METRICS, OPERATIONS, DEPLOYMENT)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    for doc in ("API", "CONFIGURATION", "METRICS", "OPERATIONS", "DEPLOYMENT", "ARCHITECTURE"):
+        assert f"docs/{doc}.md" in readme, doc
