@@ -90,7 +90,7 @@ def _measure(runner: Any, curve: bool) -> tuple[Baseline, Remeasure]:
     engine times it (and, with `curve`, the forward latency curve) again while a
     baseline measured on a busy host is unsettled (adaserve/calibration.py)."""
     from adaserve.config import LatencyCurve
-    from adaserve.sim.measure import measure_baseline_ms, measure_forward_curve
+    from adaserve.timing import measure_baseline_ms, measure_forward_curve
 
     def forward_curve() -> LatencyCurve:
         tokens, ms, context_ms = measure_forward_curve(runner)

@@ -35,6 +35,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "cpu_load",
         "fallback",
         "isolation",
+        "timing",
         "torch_thread",
     ),
     "metrics": ("metrics",),

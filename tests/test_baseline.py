@@ -12,8 +12,8 @@ from adaserve.config import Settings
 from adaserve.engine import Engine
 from adaserve.engine_build import build_engine
 from adaserve.model.loader import load_runner
-from adaserve.sim.costmodel import BASELINE_BATCH as BATCH
-from adaserve.sim.measure import measure_baseline_ms
+from adaserve.timing import BASELINE_BATCH as BATCH
+from adaserve.timing import measure_baseline_ms
 from tests._serving import make_served_model
 
 

@@ -42,12 +42,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from adaserve.latency import interp
+from adaserve.timing import BASELINE_BATCH, BASELINE_CONTEXT
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-# The baseline TPOT that SLO classes scale (paper 000): plain decoding at batch 8 with
-# 32-token prompts, halfway through 128-token outputs.
-BASELINE_BATCH = 8
-BASELINE_CONTEXT = BASELINE_BATCH * (32 + 64)  # cached tokens over the whole batch
 
 
 class Curve(BaseModel):

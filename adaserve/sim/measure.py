@@ -1,6 +1,7 @@
 """Measuring a hardware profile for a real target/drafter pair on this machine.
 
-Times the model runners directly (median of `reps` after a warm-up):
+Times the model runners directly (median of `reps` after a warm-up; the primitives and
+the baseline TPOT are adaserve/timing.py's):
 
 - verify: one target forward of T tree tokens spread over up to 8 sequences whose
   committed context sums to C (scratch dropped after each forward);
@@ -16,23 +17,18 @@ whose forward costs at most twice a single-token one.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from adaserve.sim.costmodel import (
-    BASELINE_BATCH,
-    BASELINE_CONTEXT,
     Curve,
     HardwareProfile,
     MixedTable,
     Surface,
 )
-
-MAX_SEQS = 8
+from adaserve.timing import MAX_SEQS, Sequences, median_ms, sync
 
 
 @dataclass(frozen=True)
@@ -46,157 +42,15 @@ class ProfileGrid:
     reps: int = 3
 
 
-def _median_ms(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: first-call allocations and lazy inits are not the steady state
-    times = []
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
-
-
-class _Seqs:
-    """Up to MAX_SEQS sequences with committed context on one runner."""
-
-    def __init__(self, runner, prefix: str, context: int, rng: np.random.Generator) -> None:
-        from adaserve.model.runner import SeqInput
-
-        self.runner = runner
-        self.ids = [f"{prefix}{i}" for i in range(MAX_SEQS)]
-        per = max(1, context // MAX_SEQS)
-        for sid in self.ids:
-            runner.add_sequence(sid)
-            toks = rng.integers(0, runner.vocab_size, size=per, dtype=np.int32)
-            runner.forward([SeqInput.chain(sid, toks, prefill=True)], logits_indices=[per - 1])
-            runner.commit(sid, range(per))
-
-    def forward(self, tokens: int, rng: np.random.Generator, chain: bool, all_logits: bool):
-        """`tokens` new nodes over min(tokens, MAX_SEQS) sequences; scratch dropped."""
-        from adaserve.model.runner import SeqInput
-
-        k = min(tokens, MAX_SEQS)
-        sizes = [tokens // k + (1 if i < tokens % k else 0) for i in range(k)]
-        inputs = []
-        for sid, m in zip(self.ids, sizes, strict=False):
-            toks = rng.integers(0, self.runner.vocab_size, size=m, dtype=np.int32)
-            parents = np.arange(-1, m - 1, dtype=np.int32) if chain else np.full(m, -1, np.int32)
-            inputs.append(SeqInput(sid, toks, parents))
-        if all_logits:
-            self.runner.forward(inputs)
-        else:
-            self.runner.forward(inputs, last_only=True)
-        _sync(self.runner)
-        for sid in self.ids[:k]:
-            self.runner.commit(sid, [])
-
-    def free(self) -> None:
-        for sid in self.ids:
-            self.runner.free(sid)
-
-
-def _capacity_tokens(runner) -> int:
-    """Tokens the runner's free KV blocks hold (whole blocks per sequence aside)."""
-    return runner.free_blocks() * runner.block_size
-
-
-def _sync(runner) -> None:
-    """CUDA kernels run asynchronously: a timed forward ends when the GPU is done."""
-    import torch  # the simulator itself runs without torch
-
-    if torch.device(runner.device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure_baseline_ms(runner, reps: int = 5, seed: int = 0, windows: int = 3) -> float:
-    """The baseline TPOT on this runner (`slo.baseline_tpot_ms: auto`): one decoding
-    step of BASELINE_BATCH sequences holding BASELINE_CONTEXT tokens, the same point
-    `HardwareProfile.baseline_ms` reads off a measured profile; the fastest of `windows`
-    windows, each the median of `reps` steps. Another process on the cores can only slow
-    a step, so the fastest window is the best estimate of the hardware's own time
-    (adaserve/calibration.py). Leaves no sequence behind."""
-    rng = np.random.default_rng(seed)
-    # A KV cache smaller than the measurement (engine.kv_blocks set low) measures at the
-    # context it holds: the baseline reads a little fast rather than failing startup.
-    per_seq = runner.free_blocks() // MAX_SEQS * runner.block_size - BASELINE_BATCH // MAX_SEQS
-    context = min(BASELINE_CONTEXT, MAX_SEQS * per_seq)
-    if context < MAX_SEQS:
-        raise ValueError(
-            "the KV cache is too small to measure slo.baseline_tpot_ms: auto "
-            f"({_capacity_tokens(runner)} tokens); set slo.baseline_tpot_ms or a larger "
-            "engine.kv_blocks"
-        )
-    seqs = _Seqs(runner, "__baseline", context, rng)
-    try:
-        step = lambda: seqs.forward(BASELINE_BATCH, rng, chain=True, all_logits=True)  # noqa: E731
-        return min(_median_ms(step, reps) for _ in range(max(1, windows)))
-    finally:
-        seqs.free()
-
-
-FORWARD_CURVE_TOKENS = (1, 8, 32, 128, 512)
-CONTEXT_PROBE = (128, 1024)  # a chunk of 128 tokens, at a prompt's start and 1k tokens in
-
-
-def measure_forward_curve(
-    runner, tokens: Sequence[int] = FORWARD_CURVE_TOKENS, reps: int = 2, seed: int = 0
-) -> tuple[list[float], list[float], float]:
-    """The engine's latency model (`engine.latency_curve`): forward latency against the
-    tokens one forward carries, a chain of N new tokens at a sequence's start with
-    logits for every row up to 32 (trees) and for the last row beyond (prefill chunks
-    skip the LM head); and `context_ms`, what each thousand (query, earlier token)
-    pairs add, from a 128-token chunk 1k tokens into its prompt against the same chunk
-    at the start. Leaves no sequence behind."""
-    from adaserve.model.runner import SeqInput
-
-    rng = np.random.default_rng(seed)
-    room = min(runner.max_model_len, _capacity_tokens(runner))
-    points = [t for t in tokens if t < room] or [1]
-
-    def chunk_ms(n: int, start: int) -> float:
-        def once() -> None:
-            runner.add_sequence("__curve")
-            try:
-                if start:
-                    head = rng.integers(0, runner.vocab_size, size=start, dtype=np.int32)
-                    head_in = SeqInput.chain("__curve", head, prefill=True)
-                    runner.forward([head_in], logits_indices=[])
-                    runner.commit("__curve", range(start))
-                toks = rng.integers(0, runner.vocab_size, size=n, dtype=np.int32)
-                # up to 32 tokens: a tree's nodes, all logits; beyond: a chunk, its last
-                prefill = n > 32
-                rows = [n - 1] if prefill else list(range(n))
-                _sync(runner)
-                t0 = time.perf_counter()
-                inp = SeqInput.chain("__curve", toks, prefill=prefill)
-                runner.forward([inp], logits_indices=rows)
-                _sync(runner)
-                times.append((time.perf_counter() - t0) * 1000.0)
-            finally:
-                runner.free("__curve")
-
-        times: list[float] = []
-        for _ in range(max(1, reps) + 1):  # the first is a warm-up
-            once()
-        return statistics.median(times[1:])
-
-    ms = [chunk_ms(n, 0) for n in points]
-    k, s = CONTEXT_PROBE
-    context_ms = 0.0
-    if k + s < room:
-        context_ms = max(0.0, (chunk_ms(k, s) - chunk_ms(k, 0)) / (k * s / 1000.0))
-    return [float(t) for t in points], ms, context_ms
-
-
 def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
     limit = runner.max_model_len - max(grid.tokens) - 1
     contexts = [c for c in grid.contexts if c // MAX_SEQS <= limit] or [0]
     rows = []
     for c in contexts:
-        seqs = _Seqs(runner, f"v{c}-", c, rng)
+        seqs = Sequences(runner, f"v{c}-", c, rng)
         row = []
         for t in grid.tokens:
-            ms = _median_ms(
+            ms = median_ms(
                 lambda t=t, s=seqs: s.forward(t, rng, chain=True, all_logits=True), grid.reps
             )
             row.append(ms)
@@ -207,10 +61,10 @@ def measure_verify(runner, grid: ProfileGrid, rng, log=print) -> Surface:
 
 
 def measure_draft(runner, grid: ProfileGrid, rng, log=print) -> Curve:
-    seqs = _Seqs(runner, "d-", 64 * MAX_SEQS, rng)
+    seqs = Sequences(runner, "d-", 64 * MAX_SEQS, rng)
     ms = []
     for t in grid.draft_tokens:
-        m = _median_ms(lambda t=t: seqs.forward(t, rng, chain=False, all_logits=True), grid.reps)
+        m = median_ms(lambda t=t: seqs.forward(t, rng, chain=False, all_logits=True), grid.reps)
         ms.append(m)
         log(f"draft   tokens={t:<5} {m:8.2f} ms")
     seqs.free()
@@ -228,10 +82,10 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
             runner.add_sequence("prefill")
             toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
             runner.forward([SeqInput.chain("prefill", toks, prefill=True)], logits_indices=[p - 1])
-            _sync(runner)
+            sync(runner)
             runner.free("prefill")
 
-        m = _median_ms(once, grid.reps)
+        m = median_ms(once, grid.reps)
         ms.append(m)
         log(f"prefill tokens={p:<5} {m:8.2f} ms")
     return Curve(tokens=[float(p) for p in points], ms=ms)
@@ -240,7 +94,7 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
 def measure_mixed(runner, grid: ProfileGrid, rng, log=print) -> MixedTable:
     from adaserve.model.runner import SeqInput
 
-    seqs = _Seqs(runner, "m-", 512, rng)
+    seqs = Sequences(runner, "m-", 512, rng)
     points = [p for p in grid.mixed_prefill if p < runner.max_model_len] or [1]
     rows = []
     for t in grid.mixed_tree:
@@ -258,12 +112,12 @@ def measure_mixed(runner, grid: ProfileGrid, rng, log=print) -> MixedTable:
                 prompt = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
                 inputs.append(SeqInput.chain("mixed-prompt", prompt, prefill=True))
                 runner.forward(inputs, logits_indices=[*range(t), t + p - 1])
-                _sync(runner)
+                sync(runner)
                 for sid in seqs.ids[:k]:
                     runner.commit(sid, [])
                 runner.free("mixed-prompt")
 
-            ms = _median_ms(once, grid.reps)
+            ms = median_ms(once, grid.reps)
             row.append(ms)
             log(f"mixed   tree={t:<5} prefill={p:<6} {ms:8.2f} ms")
         rows.append(row)
