@@ -25,6 +25,7 @@ using namespace adaserve;
 
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;  // floats
+constexpr int64_t kAhead = 8;         // keys ahead to prefetch
 
 inline float dot(const float* a, const float* b, int64_t d) {
   vec acc = vzero();
@@ -50,7 +51,8 @@ inline void scores_of(const float* qh, int64_t G, int64_t D, const float* cache,
                       int64_t ld, float* m) {
   const int64_t nv = NV > 0 ? NV : D / kLanes;
   const vec sv = vset1(scale), ninf = vset1(-INFINITY);
-  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
+  vec mv[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mv[g] = ninf;
   for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
     const float* kp[kLanes];
     for (int s = 0; s < kLanes; ++s) {
@@ -60,19 +62,28 @@ inline void scores_of(const float* qh, int64_t G, int64_t D, const float* cache,
     const vmask valid = vmask_first(n - c0);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
-      vec acc[kLanes];
-#pragma GCC unroll 16
-      for (int s = 0; s < kLanes; ++s) {
-        acc[s] = vmul(vload(qg), vload(kp[s]));
+      vec w[kLanes / 2];  // the keys' FMA chains, reduced a pair at a time
 #pragma GCC unroll 8
-        for (int64_t i = 1; i < nv; ++i) acc[s] = vfma(vload(qg + i * kLanes), vload(kp[s] + i * kLanes), acc[s]);
+      for (int s = 0; s < kLanes; s += 2) {
+        vec a0 = vmul(vload(qg), vload(kp[s])), a1 = vmul(vload(qg), vload(kp[s + 1]));
+#pragma GCC unroll 8
+        for (int64_t i = 1; i < nv; ++i) {
+          const vec qi = vload(qg + i * kLanes);
+          a0 = vfma(qi, vload(kp[s] + i * kLanes), a0);
+          a1 = vfma(qi, vload(kp[s + 1] + i * kLanes), a1);
+        }
+        w[s / 2] = vsum_pair(a0, a1);
       }
-      const vec r = vselect(valid, vmul(vsum_lanes(acc), sv), ninf);
+      const vec r = vselect(valid, vmul(vsum_lanes_rest(w), sv), ninf);
       vstore(scores + g * ld + c0, r);
-      alignas(64) float lanes[kLanes];
-      vstore(lanes, r);
-      for (int s = 0; s < kLanes; ++s) m[g] = lanes[s] > m[g] ? lanes[s] : m[g];
+      mv[g] = vmax(mv[g], r);
     }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // a max is exact: any order gives the same
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, mv[g]);
+    m[g] = -INFINITY;
+    for (int s = 0; s < kLanes; ++s) m[g] = lanes[s] > m[g] ? lanes[s] : m[g];
   }
 }
 
@@ -87,6 +98,10 @@ inline void weighted_sum(const float* p, int64_t ld, const float* values, const 
     for (int i = 0; i < NV; ++i) acc[h][i] = vzero();
   for (int64_t j = 0; j < n; ++j) {
     const float* v = values + slots[j] * row;
+    if (j + kAhead < n) {  // the slots are a gather: no hardware prefetcher follows them
+      const char* ahead = (const char*)(values + slots[j + kAhead] * row);
+      for (int64_t b = 0; b < NV * kLanes * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) {
       const vec vv = vload(v + i * kLanes);
@@ -157,7 +172,7 @@ extern "C" int adaserve_tree_attention(const float* q, int64_t ldq, int64_t T, i
     float* scores = (float*)malloc(sizeof(float) * G * ld);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < T * Hkv; ++item) {
-      const int64_t t = item / Hkv, hk = item % Hkv;
+      const int64_t hk = item / T, t = item % T;  // a KV head's queries in a row: its keys stay in L2
       const int64_t b = q_seq[t], L = kv_len[b];
       const int64_t* slots = kv_slots + b * Lmax;
       const uint8_t* vis = visible == nullptr ? nullptr : visible + (b * Qmax + q_row[t]) * Lmax;

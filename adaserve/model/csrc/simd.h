@@ -166,17 +166,18 @@ inline float vsum(vec v) {
   return _mm_cvtss_f32(x);
 }
 
-// The kLanes horizontal sums of kLanes vectors at once (a transposing tree of adds):
-// lane kSumOrder[s] of the result is the sum of v[s]'s lanes (each in one fixed order
-// of its own, not vsum's). So v[s] = the vector of item kSumOrder[s] puts item i's sum
-// in lane i.
+// The kLanes horizontal sums of kLanes vectors v[0..kLanes) at once, by a transposing
+// tree of adds: w[i] = vsum_pair(v[2i], v[2i + 1]) for each pair, then
+// vsum_lanes_rest(w), whose lane kSumOrder[s] is the sum of v[s]'s lanes (each in one
+// fixed order of its own, not vsum's). So v[s] = item kSumOrder[s]'s vector puts item
+// i's sum in lane i; taken pair by pair, 8 vectors are live instead of 16.
 #if defined(__AVX512F__)
 constexpr int kSumOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-inline vec vsum_lanes(const vec (&v)[16]) {
-  vec w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+inline vec vsum_pair(vec a, vec b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline vec vsum_lanes_rest(const vec (&w)[8]) {
+  vec x[4], y[2];
   for (int i = 0; i < 4; ++i)
     x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
@@ -187,11 +188,11 @@ inline vec vsum_lanes(const vec (&v)[16]) {
 }
 #else
 constexpr int kSumOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-inline vec vsum_lanes(const vec (&v)[8]) {
-  vec w[4], x[2];
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+inline vec vsum_pair(vec a, vec b) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline vec vsum_lanes_rest(const vec (&w)[4]) {
+  vec x[2];
   for (int i = 0; i < 2; ++i)
     x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
                          _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
