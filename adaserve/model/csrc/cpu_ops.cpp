@@ -127,22 +127,21 @@ inline void weighted_sum_any(const float* p, const float* values, const int64_t*
 
 // The G heads' weighted sums, 3 heads per pass over the keys and at most 4 vectors
 // of each (12 accumulators of 16 vector registers): a head of 8 vectors (AVX2, D 64)
-// takes two passes of half its columns, so the values are read once per 3 heads.
+// takes two passes of half its columns, so the values are read once per 3 heads. The
+// 1 or 2 heads left take one pass each, all NV vectors (NV <= 8) in registers.
 template <int NV>
 inline void weighted_sums(const float* p, int64_t ld, const float* values, const int64_t* slots,
                           int64_t n, int64_t row, int64_t G, int64_t D, const float* inv,
                           float* out) {
   constexpr int kCols = NV > 4 ? 4 : NV;  // vectors per pass
-  static_assert(NV % kCols == 0);
-  for (int c = 0; c < NV; c += kCols) {
-    const float* vc = values + c * kLanes;
-    float* oc = out + c * kLanes;
-    int64_t g = 0;
-    for (; g + 3 <= G; g += 3)
-      weighted_sum<kCols, 3>(p + g * ld, ld, vc, slots, n, row, inv + g, oc + g * D, D);
-    for (; g < G; ++g)
-      weighted_sum<kCols, 1>(p + g * ld, ld, vc, slots, n, row, inv + g, oc + g * D, D);
-  }
+  static_assert(NV % kCols == 0 && NV <= 8);
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3)
+    for (int c = 0; c < NV; c += kCols)
+      weighted_sum<kCols, 3>(p + g * ld, ld, values + c * kLanes, slots, n, row, inv + g,
+                             out + g * D + c * kLanes, D);
+  for (; g < G; ++g)
+    weighted_sum<NV, 1>(p + g * ld, ld, values, slots, n, row, inv + g, out + g * D, D);
 }
 
 }  // namespace
