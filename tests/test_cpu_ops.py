@@ -1,11 +1,13 @@
 """Tree attention and RMSNorm from adaserve's CPU library (adaserve/model/cpu_ops.py):
 the attention equals the reference backend's on random trees, batches and GQA groups
 (q and kv read in place from the fused qkv row), a query's output is bitwise the same
-whatever other queries share the call, forwards of many tokens go to the reference
-backend, the norm equals torch's, and the loader puts both into fp32 CPU models only
+whatever other queries share the call, a prompt chunk's row is the bits of the same
+query alone or as a tree node, the norm equals torch's, and the loader puts both into fp32 CPU models only
 where the library runs (MKL asked for: none of it)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from adaserve.model import cpu_gemm, cpu_ops
-from adaserve.model.attention import ReferenceBackend, ReferenceMetadata
+from adaserve.model.attention import AttentionBatch, ReferenceBackend
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.layers import RMSNorm
 from adaserve.model.loader import load_runner
@@ -97,50 +99,71 @@ def test_a_query_gets_the_same_bits_whatever_else_is_in_the_call() -> None:
         start += k
 
 
-def test_many_tokens_go_to_the_reference_backend() -> None:
-    heads, kv_heads, d = 4, 2, 16
-    cache = make_cache(kv_heads, d)
-    batch = random_tree_batch(cache, [(3, cpu_ops.MAX_QUERIES + 1)], np.random.default_rng(0))
-    cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, d)
-    meta = cpu.plan(batch)
-    assert isinstance(meta, ReferenceMetadata)
-    q, kv_new = random_qkv(cpu_ops.MAX_QUERIES + 1, heads, kv_heads, d, torch.float32, CPU)
-    assert cpu.attend(0, q, kv_new, cache.storage, meta).isfinite().all()
-
-
-def test_a_forward_mixing_trees_and_a_prefill_chunk_splits_per_sequence() -> None:
-    """Chunked prefill rides with trees: the trees still run here, bit for bit what they
-    get alone, and the long chunk gets the reference backend's answer."""
+def test_a_prompt_chunk_row_is_the_bits_of_the_same_query_alone_or_as_a_tree_node() -> None:
+    """Prompt chunks run here too (they went to SDPA, whose blocking over queries gave a
+    position other bits in a chunk than alone): row i of a chunk of 70 is bitwise the
+    output of that query attending alone to the keys up to it (a decode step), and as
+    a tree node, with other branches' keys interleaved that it may not see."""
     heads, kv_heads, d = 9, 3, 64
-    specs = [(40, 6), (0, cpu_ops.MAX_QUERIES + 9), (17, 1)]
+    cache = make_cache(kv_heads, d)
+    batch = random_tree_batch(cache, [(40, 70)], np.random.default_rng(5), "chain")
+    q, kv_new = random_qkv(70, heads, kv_heads, d, torch.float32, CPU)
+    cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, d)
+    chunk = cpu.attend(0, q, kv_new, cache.storage, cpu.plan(batch))
+    ref = ReferenceBackend(heads, kv_heads, d, CPU)
+    expected = ref.attend(0, q, kv_new, cache.storage, ref.plan(batch))
+    torch.testing.assert_close(chunk, expected, atol=2e-5, rtol=1e-5)
+    slots = batch.kv_slots[0]
+    rng = np.random.default_rng(6)
+    for i in [0, 1, 15, 16, 17, 31, 69]:
+        n = 40 + i + 1  # keys it sees
+        row = slice(i, i + 1)
+        alone = AttentionBatch(
+            [1], batch.slot_mapping[row], [slots[:n]], [np.ones((1, n), bool)], [[]]
+        )
+        got = cpu.attend(0, q[row], kv_new[row], cache.storage, cpu.plan(alone))
+        assert torch.equal(got, chunk[row]), f"row {i} alone"
+        # as a tree node: 9 keys it may not see interleaved among those it sees
+        hidden = rng.choice(np.arange(200, 900), 9, replace=False)
+        at = np.sort(rng.integers(1, n + 1, 9))
+        tree_slots = np.insert(slots[:n], at, hidden)
+        vis = np.ones((1, tree_slots.size), bool)
+        vis[0, at + np.arange(9)] = False
+        node = AttentionBatch([1], batch.slot_mapping[row], [tree_slots], [vis], [[]])
+        got = cpu.attend(0, q[row], kv_new[row], cache.storage, cpu.plan(node))
+        assert torch.equal(got, chunk[row]), f"row {i} as a tree node"
+
+
+def test_a_forward_mixing_trees_and_a_prefill_chunk_gives_each_row_its_bits_alone() -> None:
+    """Chunked prefill rides with trees: every row, tree node or prompt token, bit for
+    bit what its sequence gets alone, and each close to the reference backend."""
+    heads, kv_heads, d = 9, 3, 64
+    specs = [(40, 6), (0, 41), (17, 1)]
     (c_mix, b_mix), (c_ref, b_ref) = (
         (c, random_tree_batch(c, specs, np.random.default_rng(4), "chain"))
         for c in make_pair(kv_heads, d)
     )
+    b_mix = dataclasses.replace(b_mix, prefill=[False, True, False])
     t = sum(b_mix.query_lens)
     q, kv_new = fused_qkv(t, heads, kv_heads, d, seed=4)
     cpu = cpu_ops.CpuTreeBackend(heads, kv_heads, d)
-    meta = cpu.plan(b_mix)
-    assert isinstance(meta, cpu_ops.MixedMetadata)
-    got = cpu.attend(0, q, kv_new, c_mix.storage, meta)
+    got = cpu.attend(0, q, kv_new, c_mix.storage, cpu.plan(b_mix))
     ref = ReferenceBackend(heads, kv_heads, d, CPU)
     expected = ref.attend(0, q.contiguous(), kv_new.contiguous(), c_ref.storage, ref.plan(b_ref))
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     assert torch.equal(c_mix.storage.kv, c_ref.storage.kv)
-    # The tree rows: the kernel's bits for each sequence alone.
     start = 0
     for i, k in enumerate(b_mix.query_lens):
-        if k <= cpu_ops.MAX_QUERIES:
-            alone = type(b_mix)(
-                [k],
-                b_mix.slot_mapping[start : start + k],
-                [b_mix.kv_slots[i]],
-                [b_mix.visible[i]],
-                [b_mix.block_tables[i]],
-            )
-            rows = slice(start, start + k)
-            bits = cpu.attend(0, q[rows], kv_new[rows], c_mix.storage, cpu.plan(alone))
-            assert torch.equal(got[rows], bits), i
+        alone = AttentionBatch(
+            [k],
+            b_mix.slot_mapping[start : start + k],
+            [b_mix.kv_slots[i]],
+            [b_mix.visible[i]],
+            [b_mix.block_tables[i]],
+        )
+        rows = slice(start, start + k)
+        bits = cpu.attend(0, q[rows], kv_new[rows], c_mix.storage, cpu.plan(alone))
+        assert torch.equal(got[rows], bits), i
         start += k
 
 

@@ -24,6 +24,7 @@ from adaserve.model import cpu_gemm
 from adaserve.model.cpu_gemm import QuantEmbedding, QuantLinear
 from adaserve.model.embedded import embedded_gguf
 from adaserve.model.loader import load_runner, load_tokenizer
+from adaserve.model.runner import SeqInput
 from adaserve.model.stored import gguf_source, resolve_quantization
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.runner_target import RunnerTarget
@@ -192,13 +193,17 @@ def test_columns_and_embedding_lookups_are_the_gguf_values(gguf_tensors, name, a
 @pytest.fixture(scope="module")
 def stored():
     """Stored weights, int8 activations (the opt-in fast path)."""
+    yield _stored_runner("int8")
+
+
+def _stored_runner(activations: str):
     with single_thread():
-        yield load_runner(
+        return load_runner(
             "embedded",
             device="cpu",
             kv_blocks=128,
             quantization="stored",
-            stored_activations="int8",
+            stored_activations=activations,
         )
 
 
@@ -256,6 +261,89 @@ def test_int8_activation_logits_stay_close_to_the_float32_ones(stored, reference
     p, q = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double(), -1)
     assert ((p.exp() * (p - q)).sum(-1) <= 0.05).all()
     assert ((p.exp() - q.exp()).abs() <= 0.1).all()
+
+
+@pytest.fixture(scope="module")
+def exact():
+    """Stored weights, float32 activations."""
+    yield _stored_runner("float32")
+
+
+LONG = np.random.default_rng(0).integers(3, 40000, 70).tolist()
+OTHER = np.random.default_rng(1).integers(3, 40000, 80).tolist()
+
+
+def _last_logits(runner, steps) -> torch.Tensor:
+    """LONG fed to a new sequence in `steps`, each (new tokens' parents or a chunk
+    length, other sequences' inputs riding in the same forward): the logits of
+    LONG's last position. A step is an int n (the next n tokens as one prompt chunk,
+    a decode step when 1) or a list of parents (a tree of LONG's next tokens and, where
+    a parent list holds "x", a token of another branch)."""
+    n = 0
+    seqs = ["s"]
+    runner.add_sequence("s")
+    out = torch.empty(0)
+    try:
+        pos = 0
+        for step, beside in steps:
+            if isinstance(step, int):
+                inputs = [SeqInput.chain("s", LONG[pos : pos + step], prefill=step > 1)]
+                keep, last = list(range(step)), step - 1
+                pos += step
+            else:  # (parent, is LONG's next token) per node
+                tokens, parents, keep = [], [], []
+                for i, (parent, ours) in enumerate(step):
+                    tokens.append(LONG[pos] if ours else OTHER[i])
+                    parents.append(parent)
+                    if ours:
+                        keep.append(i)
+                        pos += 1
+                inputs = [
+                    SeqInput("s", np.asarray(tokens, np.int32), np.asarray(parents, np.int32))
+                ]
+                last = keep[-1]
+            for other in beside:
+                n += 1
+                seqs.append(f"o{n}")
+                runner.add_sequence(f"o{n}")
+                inputs.append(SeqInput.chain(f"o{n}", OTHER[:other], prefill=other > 1))
+            out = runner.forward(inputs)[last]
+            runner.commit("s", keep)
+        assert pos == len(LONG)
+        return out
+    finally:
+        for sid in seqs:
+            runner.free(sid)
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_a_positions_logits_are_the_same_bits_however_the_forward_is_composed(
+    activations, stored, exact
+):
+    """The lossless invariant's premise for the stored target, through the runner: the
+    logits of a position are bitwise the same whether its prompt came as one chunk, in
+    chunks of other sizes, token by token, beside other sequences, or as a chain or a
+    tree node with other branches beside it (prefill chunks went to torch's SDPA, which
+    gave a position other bits in a chunk of another length: ~1e-5 apart in float32,
+    and with int8 activations, whose rounding turns one ulp into a step of amax / 127,
+    logits 0.3-0.5 apart)."""
+    runner = stored if activations == "int8" else exact
+    with single_thread():
+        base = _last_logits(runner, [(70, [])])
+        tree = [(-1, True), (0, False), (0, True), (2, False), (2, True), (4, True)]
+        for steps in [
+            [(32, []), (32, []), (6, [])],
+            [(40, []), (30, [])],
+            [(69, []), (1, [])],
+            [(60, [])] + [(1, [])] * 10,
+            [(66, []), ([(-1, True), (0, True), (1, True), (2, True)], [])],
+            [(66, []), (tree, [])],
+            [(70, [45])],
+            [(50, [3, 77]), (20, [1])],
+            [(66, [9]), (tree, [33, 1])],
+        ]:
+            got = _last_logits(runner, steps)
+            assert torch.equal(got, base), (steps, (got - base).abs().max().item())
 
 
 def test_settings_resolve_and_refuse(tiny_llama_dir):

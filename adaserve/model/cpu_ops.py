@@ -6,14 +6,16 @@ spent a quarter of its time in the ~30 small torch ops per layer around them (~5
 us of dispatch each, whatever the size): a layer's attention was ~250 us of gather,
 reshapes and SDPA, an RMSNorm ~60 us. Here each is one call.
 
-`CpuTreeBackend` takes the sequences of a forward with up to `MAX_QUERIES` new tokens
-each (decode steps, tree verifications, draft steps) and hands longer ones (prefill
-chunks) to the reference backend, whose SDPA is the better kernel for many queries
-(a 256-token chunk over 1k of context: 0.34 s there, 0.58 s here). The split is per
-sequence, so a forward that mixes prefill chunks with trees still runs every tree
-node here. Each query's output depends only on its own q and the keys it may see,
-taken in position order, so a tree node's logits are those of a plain decode step of
-the same token, whatever else rides in the forward.
+`CpuTreeBackend` runs every query of a forward (decode steps, tree verifications,
+draft steps and prompt chunks alike) through one kernel, whose output for a query is
+a function of its own q and the keys it may see, in position order, and of nothing
+else: not the other queries of the call, their number or their sequences, nor keys
+it may not see. So a position's hidden state is the same bits whether it was
+computed in a prompt chunk of any length, alone as a decode step, as a tree node, or
+recomputed after a preemption or beside a prefix-cache hit, and greedy speculation
+stays token-for-token lossless even where one ulp matters (int8 activations round
+each hidden state per 32 features: `model.stored_activations`). Prompt chunks used to
+go to torch's SDPA, whose blocking over queries changes a row's bits with the chunk.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaserve.model.attention import AttentionBatch, ReferenceBackend, ReferenceMetadata
+from adaserve.model.attention import AttentionBatch
 from adaserve.model.cpu_gemm import _threads, kernel
 from adaserve.model.kv_cache import KVStorage
 
-MAX_QUERIES = 32  # new tokens of one sequence taken here; more go to the reference backend
 MAX_GROUP = 16  # query heads per KV head (csrc/cpu_ops.cpp kMaxGroup)
 MAX_HEAD_DIM = 256
 LANES = 16  # head_dim and hidden sizes a multiple of this suit both builds
@@ -58,16 +59,6 @@ class CpuTreeMetadata:
     kv_max: int
 
 
-@dataclass(frozen=True)
-class MixedMetadata:
-    """A forward with both short sequences (this kernel) and prefill chunks (SDPA)."""
-
-    tree: CpuTreeMetadata
-    chunks: ReferenceMetadata
-    tree_rows: torch.Tensor  # int64: packed rows of the kernel's queries
-    chunk_rows: torch.Tensor  # int64: packed rows of the reference backend's queries
-
-
 class CpuTreeBackend:
     """Tree attention over the paged cache in one library call per layer (fp32 CPU)."""
 
@@ -78,31 +69,11 @@ class CpuTreeBackend:
             raise ValueError(
                 f"CpuTreeBackend: {num_heads} heads / {num_kv_heads} KV heads of {head_dim}"
             )
-        self.reference = ReferenceBackend(num_heads, num_kv_heads, head_dim, torch.device("cpu"))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self._attend = kernel().adaserve_tree_attention
 
-    def plan(self, batch: AttentionBatch) -> CpuTreeMetadata | ReferenceMetadata | MixedMetadata:
-        # Prompt chunks of any length go to SDPA: it reads a long prefix once per chunk,
-        # where this kernel reads it once per query (a 16-token chunk 1.9k tokens into
-        # its prompt: 36 ms there, 66 ms here). Tree nodes and decode steps stay here.
-        chunk = batch.prefill or [False] * len(batch.query_lens)
-        short = [k <= MAX_QUERIES and not c for k, c in zip(batch.query_lens, chunk, strict=True)]
-        if all(short):
-            return self._plan_kernel(batch)
-        if not any(short):
-            return self.reference.plan(batch)
-        lens = np.asarray(batch.query_lens)
-        rows_short = np.repeat(np.asarray(short), lens)
-        return MixedMetadata(
-            tree=self._plan_kernel(_subset(batch, short, rows_short)),
-            chunks=self.reference.plan(_subset(batch, [not s for s in short], ~rows_short)),
-            tree_rows=torch.from_numpy(np.nonzero(rows_short)[0]),
-            chunk_rows=torch.from_numpy(np.nonzero(~rows_short)[0]),
-        )
-
-    def _plan_kernel(self, batch: AttentionBatch) -> CpuTreeMetadata:
+    def plan(self, batch: AttentionBatch) -> CpuTreeMetadata:
         t = sum(batch.query_lens)
         b = len(batch.query_lens)
         kv_max = max(len(s) for s in batch.kv_slots)
@@ -132,25 +103,6 @@ class CpuTreeBackend:
         )
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        kv_new: torch.Tensor,
-        kv: KVStorage,
-        meta: CpuTreeMetadata | ReferenceMetadata | MixedMetadata,
-    ) -> torch.Tensor:
-        if isinstance(meta, ReferenceMetadata):
-            return self.reference.attend(layer, q, kv_new, kv, meta)
-        if isinstance(meta, MixedMetadata):
-            # Sequences never see each other's keys: the two halves are independent.
-            out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=torch.float32)
-            t_rows, c_rows = meta.tree_rows, meta.chunk_rows
-            out[t_rows] = self._attend_kernel(layer, q[t_rows], kv_new[t_rows], kv, meta.tree)
-            out[c_rows] = self.reference.attend(layer, q[c_rows], kv_new[c_rows], kv, meta.chunks)
-            return out
-        return self._attend_kernel(layer, q, kv_new, kv, meta)
-
-    def _attend_kernel(
         self,
         layer: int,
         q: torch.Tensor,
@@ -189,19 +141,6 @@ class CpuTreeBackend:
         if rc != 0:  # supports() already refused these shapes at construction
             raise RuntimeError(f"adaserve_tree_attention refused its shapes (rc {rc})")
         return out
-
-
-def _subset(batch: AttentionBatch, keep: list[bool], rows: np.ndarray) -> AttentionBatch:
-    """The sequences of `batch` where keep is True (rows: their packed new tokens)."""
-    pick = [i for i, k in enumerate(keep) if k]
-    return AttentionBatch(
-        query_lens=[batch.query_lens[i] for i in pick],
-        slot_mapping=batch.slot_mapping[rows],
-        kv_slots=[batch.kv_slots[i] for i in pick],
-        visible=[batch.visible[i] for i in pick],
-        block_tables=[batch.block_tables[i] for i in pick],
-        prefill=[batch.prefill[i] for i in pick] if batch.prefill else [],
-    )
 
 
 class CpuRMSNorm(nn.Module):

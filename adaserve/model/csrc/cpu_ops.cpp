@@ -3,11 +3,15 @@
 // more than the arithmetic: a layer's tree attention was ~25 torch ops (~250 us) and
 // is one call here, an RMSNorm ~60 us and is a few here.
 //
-// Tree attention reads the paged KV cache in place (no gather) and skips keys a query
-// may not see: per (query, head), scores of the visible keys, their softmax and the
-// weighted sum of values, each in position order. A query's output so depends only on its own q and the keys it sees,
-// never on the other queries of the call: a tree node gets the bits a plain decode
-// step of the same token would.
+// Tree attention reads the paged KV cache in place (no gather) for every query of a
+// forward: decode steps, tree nodes and prompt chunks alike. Per (query, KV head) it
+// lists the keys the query sees, in position order, and computes over that list
+// alone: the scores (one FMA chain per key, kLanes keys reduced at a time), their
+// softmax (a lane-wise exp, summed in 16 fixed lanes by index in the list) and the
+// weighted sum of values (one FMA chain per output, in list order). A query's output
+// so depends only on its own q and the keys it sees, never on the other queries of
+// the call, their number, or keys it may not see: a position gets the same bits in a
+// prompt chunk of any length, as a tree node and as a plain decode step.
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -21,6 +25,7 @@ using namespace adaserve;
 
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;  // floats
+constexpr int64_t kAhead = 8;         // keys ahead to prefetch
 
 inline float dot(const float* a, const float* b, int64_t d) {
   vec acc = vzero();
@@ -35,33 +40,108 @@ inline void scale_add(float* out, float c, float p, const float* v, int64_t d) {
     vstore(out + i, vfma(pv, vload(v + i), vmul(vload(out + i), cv)));
 }
 
-// out = inv * sum_j p[j] * v_j over the visible keys j, in position order; NV vectors
-// of accumulators kept in registers.
+// Scaled scores q_g . k / sqrt(D) of the n keys at slots (cache rows `row` floats
+// apart, this KV head's keys at offset 0) for the G query heads qh, into scores[g * ld
+// + c], kLanes keys at a time, lanes past n -inf; m[g] their max. NV = D / kLanes (0:
+// any). Each score is one FMA chain over D then a fixed tree over the lanes: a
+// function of q and that key alone.
 template <int NV>
-inline void weighted_sum(const float* p, const float* values, const int64_t* slots,
-                         const uint8_t* vis, int64_t L, int64_t row, float inv, float* out) {
-  vec acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = vzero();
-  for (int64_t j = 0; j < L; ++j) {
-    if (vis != nullptr && !vis[j]) continue;
-    const float* v = values + slots[j] * row;
-    const vec pv = vset1(p[j]);
-#pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) acc[i] = vfma(pv, vload(v + i * kLanes), acc[i]);
+inline void scores_of(const float* qh, int64_t G, int64_t D, const float* cache,
+                      const int64_t* slots, int64_t n, int64_t row, float scale, float* scores,
+                      int64_t ld, float* m) {
+  const int64_t nv = NV > 0 ? NV : D / kLanes;
+  const vec sv = vset1(scale), ninf = vset1(-INFINITY);
+  vec mv[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mv[g] = ninf;
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+    const float* kp[kLanes];
+    for (int s = 0; s < kLanes; ++s) {
+      const int64_t c = c0 + kSumOrder[s];
+      kp[s] = cache + slots[c < n ? c : c0] * row;  // past n: any key, masked below
+    }
+    const vmask valid = vmask_first(n - c0);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qh + g * D;
+      vec w[kLanes / 2];  // the keys' FMA chains, reduced a pair at a time
+#pragma GCC unroll 8
+      for (int s = 0; s < kLanes; s += 2) {
+        vec a0 = vmul(vload(qg), vload(kp[s])), a1 = vmul(vload(qg), vload(kp[s + 1]));
+#pragma GCC unroll 8
+        for (int64_t i = 1; i < nv; ++i) {
+          const vec qi = vload(qg + i * kLanes);
+          a0 = vfma(qi, vload(kp[s] + i * kLanes), a0);
+          a1 = vfma(qi, vload(kp[s + 1] + i * kLanes), a1);
+        }
+        w[s / 2] = vsum_pair(a0, a1);
+      }
+      const vec r = vselect(valid, vmul(vsum_lanes_rest(w), sv), ninf);
+      vstore(scores + g * ld + c0, r);
+      mv[g] = vmax(mv[g], r);
+    }
   }
-  const vec iv = vset1(inv);
-  for (int i = 0; i < NV; ++i) vstore(out + i * kLanes, vmul(acc[i], iv));
+  for (int64_t g = 0; g < G; ++g) {  // a max is exact: any order gives the same
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, mv[g]);
+    m[g] = -INFINITY;
+    for (int s = 0; s < kLanes; ++s) m[g] = lanes[s] > m[g] ? lanes[s] : m[g];
+  }
 }
 
+// out_h = inv[h] * sum_j p_h[j] * v_j over the n keys at slots, in order, for H heads
+// (p_h = p + h * ld); the H * NV accumulators in registers, each value vector read
+// once for all H heads. Each output is one FMA chain in key order whatever H is.
+template <int NV, int H>
+inline void weighted_sum(const float* p, int64_t ld, const float* values, const int64_t* slots,
+                         int64_t n, int64_t row, const float* inv, float* out, int64_t D) {
+  vec acc[H][NV];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = values + slots[j] * row;
+    if (j + kAhead < n) {  // the slots are a gather: no hardware prefetcher follows them
+      const char* ahead = (const char*)(values + slots[j + kAhead] * row);
+      for (int64_t b = 0; b < NV * kLanes * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      const vec vv = vload(v + i * kLanes);
+#pragma GCC unroll 4
+      for (int h = 0; h < H; ++h) acc[h][i] = vfma(vset1(p[h * ld + j]), vv, acc[h][i]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const vec iv = vset1(inv[h]);
+    for (int i = 0; i < NV; ++i) vstore(out + h * D + i * kLanes, vmul(acc[h][i], iv));
+  }
+}
+
+// out = inv * sum_j p[j] * v_j, any D (a multiple of kLanes), one head.
 inline void weighted_sum_any(const float* p, const float* values, const int64_t* slots,
-                             const uint8_t* vis, int64_t L, int64_t row, int64_t D, float inv,
-                             float* out) {
+                             int64_t n, int64_t row, int64_t D, float inv, float* out) {
   memset(out, 0, D * sizeof(float));
-  for (int64_t j = 0; j < L; ++j) {
-    if (vis != nullptr && !vis[j]) continue;
+  for (int64_t j = 0; j < n; ++j) {
     scale_add(out, 1.0f, p[j], values + slots[j] * row, D);
   }
   scale_add(out, inv, 0.0f, out, D);
+}
+
+// The G heads' weighted sums, 3 heads per pass over the keys and at most 4 vectors
+// of each (12 accumulators of 16 vector registers): a head of 8 vectors (AVX2, D 64)
+// takes two passes of half its columns, so the values are read once per 3 heads. The
+// 1 or 2 heads left take one pass each, all NV vectors (NV <= 8) in registers.
+template <int NV>
+inline void weighted_sums(const float* p, int64_t ld, const float* values, const int64_t* slots,
+                          int64_t n, int64_t row, int64_t G, int64_t D, const float* inv,
+                          float* out) {
+  constexpr int kCols = NV > 4 ? 4 : NV;  // vectors per pass
+  static_assert(NV % kCols == 0 && NV <= 8);
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3)
+    for (int c = 0; c < NV; c += kCols)
+      weighted_sum<kCols, 3>(p + g * ld, ld, values + c * kLanes, slots, n, row, inv + g,
+                             out + g * D + c * kLanes, D);
+  for (; g < G; ++g)
+    weighted_sum<NV, 1>(p + g * ld, ld, values, slots, n, row, inv + g, out + g * D, D);
 }
 
 }  // namespace
@@ -91,54 +171,63 @@ extern "C" int adaserve_tree_attention(const float* q, int64_t ldq, int64_t T, i
     memcpy(cache + slot_mapping[t] * row, kv_new + t * ldkv, row * sizeof(float));
 #pragma omp parallel num_threads(threads)
   {
-    // Scores of this item's G heads over the sequence's keys (reused across items).
-    float* scores = (float*)malloc(sizeof(float) * G * Lmax);
+    // Per item (reused across items): the positions of the keys it sees, and the G
+    // heads' scores of those keys, each row padded to whole 16-float steps.
+    const int64_t ld = (Lmax + 15) / 16 * 16;
+    int64_t* seen = (int64_t*)malloc(sizeof(int64_t) * Lmax);
+    float* scores = (float*)malloc(sizeof(float) * G * ld);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < T * Hkv; ++item) {
-      const int64_t t = item / Hkv, hk = item % Hkv;
+      const int64_t hk = item / T, t = item % T;  // a KV head's queries in a row: its keys stay in L2
       const int64_t b = q_seq[t], L = kv_len[b];
       const int64_t* slots = kv_slots + b * Lmax;
       const uint8_t* vis = visible == nullptr ? nullptr : visible + (b * Qmax + q_row[t]) * Lmax;
       const float* qh = q + t * ldq + hk * G * D;
       float* oh = out + (t * H + hk * G) * D;
-      // Pass 1: scaled scores of the visible keys (-inf for the others) and their max.
+      // The keys it sees, in position order: the n slots every pass below runs over,
+      // so keys it may not see (later prompt tokens, other tree branches) take no part.
+      int64_t n = 0;
+      for (int64_t j = 0; j < L; ++j)
+        if (vis == nullptr || vis[j]) seen[n++] = slots[j];
+      // Pass 1: scaled scores and their max.
       float m[kMaxGroup];
-      for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        if (vis != nullptr && !vis[j]) {
-          for (int64_t g = 0; g < G; ++g) scores[g * L + j] = -INFINITY;
-          continue;
-        }
-        const float* k = cache + slots[j] * row + hk * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = dot(qh + g * D, k, D) * scale;
-          scores[g * L + j] = s;
-          m[g] = s > m[g] ? s : m[g];
-        }
+      const float* keys = cache + hk * D;
+      switch (D / kLanes) {
+        case 4: scores_of<4>(qh, G, D, keys, seen, n, row, scale, scores, ld, m); break;
+        case 8: scores_of<8>(qh, G, D, keys, seen, n, row, scale, scores, ld, m); break;
+        default: scores_of<0>(qh, G, D, keys, seen, n, row, scale, scores, ld, m);
       }
-      // Pass 2: softmax weights, summed in position order.
+      // Pass 2: softmax weights (the padding after the n scores is -inf: weight 0),
+      // summed 16 at a time in fixed lanes (score c in lane c % 16) then across lanes.
       float inv[kMaxGroup];
+      const int64_t n16 = (n + 15) / 16 * 16;
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores + g * L;
-        float l = 0.0f;
-        for (int64_t j = 0; j < L; ++j) {
-          sg[j] = expf(sg[j] - m[g]);  // exp(-inf) = 0 for a key it may not see
-          l += sg[j];
+        float* sg = scores + g * ld;
+        for (int64_t c = n; c < n16; ++c) sg[c] = -INFINITY;
+        const vec mv = vset1(m[g]);
+        vec acc[kWide];
+        for (int w = 0; w < kWide; ++w) acc[w] = vzero();
+        for (int64_t c = 0; c < n16; c += 16) {
+          for (int w = 0; w < kWide; ++w) {
+            const vec e = vexp(vsub(vload(sg + c + w * kLanes), mv));
+            vstore(sg + c + w * kLanes, e);
+            acc[w] = vadd(acc[w], e);
+          }
         }
-        inv[g] = 1.0f / l;  // every row sees at least itself: l >= 1
+        inv[g] = 1.0f / vsum_wide(acc);  // every row sees at least itself: sum >= 1
       }
-      // Pass 3: the weighted sum of the values, in position order.
+      // Pass 3: the weighted sums of the values, in position order.
       const float* values = cache + Hkv * D + hk * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = scores + g * L;
-        switch (D / kLanes) {  // the accumulators in registers for common head sizes
-          case 4: weighted_sum<4>(pg, values, slots, vis, L, row, inv[g], oh + g * D); break;
-          case 8: weighted_sum<8>(pg, values, slots, vis, L, row, inv[g], oh + g * D); break;
-          default: weighted_sum_any(pg, values, slots, vis, L, row, D, inv[g], oh + g * D);
-        }
+      switch (D / kLanes) {  // the accumulators in registers for common head sizes
+        case 4: weighted_sums<4>(scores, ld, values, seen, n, row, G, D, inv, oh); break;
+        case 8: weighted_sums<8>(scores, ld, values, seen, n, row, G, D, inv, oh); break;
+        default:
+          for (int64_t g = 0; g < G; ++g)
+            weighted_sum_any(scores + g * ld, values, seen, n, row, D, inv[g], oh + g * D);
       }
     }
     free(scores);
+    free(seen);
   }
   return 0;
 }

@@ -23,6 +23,7 @@ inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
@@ -66,6 +67,18 @@ inline ivec isign8(ivec b, ivec w) {  // where w is 0 the product is 0 anyway
   return _mm512_mask_sub_epi8(b, _mm512_movepi8_mask(w), _mm512_setzero_si512(), b);
 }
 inline vec icvt(ivec v) { return _mm512_cvtepi32_ps(v); }
+// Lane-wise pieces of vexp (below): floor, 2^n for integral n in [-126, 127], and x
+// with the lanes where x < lo (-inf included) set to 0.
+inline vec vfloor(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+inline vec vselect(vmask m, vec a, vec b) { return _mm512_mask_blend_ps(m, b, a); }  // m ? a : b
+inline vec vpow2(vec n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline vec vzero_below(vec y, vec x, float lo) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ), y);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // 16 ymm registers: a tile of 5 rows x 4 vectors (one block) spills some accumulators
 // to L1, yet on Zen 3 a forward's linear layers for 5 rows cost ~1.1x one row with it,
@@ -83,6 +96,7 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
@@ -124,6 +138,16 @@ inline ivec idot(ivec acc, ivec a, ivec b) {
 inline ivec iabs8(ivec w) { return _mm256_sign_epi8(w, w); }
 inline ivec isign8(ivec b, ivec w) { return _mm256_sign_epi8(b, w); }
 inline vec icvt(ivec v) { return _mm256_cvtepi32_ps(v); }
+inline vec vfloor(vec x) { return _mm256_floor_ps(x); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
+inline vec vselect(vmask m, vec a, vec b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
+inline vec vpow2(vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline vec vzero_below(vec y, vec x, float lo) {
+  return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ));
+}
 #else
 #error "skinny_gemm.cpp needs -mavx512f or -mavx2 -mfma -mf16c"
 #endif
@@ -140,6 +164,72 @@ inline float vsum(vec v) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
+}
+
+// The kLanes horizontal sums of kLanes vectors v[0..kLanes) at once, by a transposing
+// tree of adds: w[i] = vsum_pair(v[2i], v[2i + 1]) for each pair, then
+// vsum_lanes_rest(w), whose lane kSumOrder[s] is the sum of v[s]'s lanes (each in one
+// fixed order of its own, not vsum's). So v[s] = item kSumOrder[s]'s vector puts item
+// i's sum in lane i; taken pair by pair, 8 vectors are live instead of 16.
+#if defined(__AVX512F__)
+constexpr int kSumOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline vec vsum_pair(vec a, vec b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline vec vsum_lanes_rest(const vec (&w)[8]) {
+  vec x[4], y[2];
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+#else
+constexpr int kSumOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+inline vec vsum_pair(vec a, vec b) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline vec vsum_lanes_rest(const vec (&w)[4]) {
+  vec x[2];
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD));
+}
+#endif
+
+// exp(x) per lane (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times
+// 2^n), within ~2 ulp of expf; exactly 0 below -87.3 (and for -inf). Each lane is the
+// same sequence of correctly rounded operations on both builds, so an element's
+// result depends on its value alone, never on its lane or its neighbours.
+inline vec vexp(vec x) {
+  constexpr float lo = -87.3365447f, hi = 88.3762626647949f;
+  const vec xc = vmin(vmax(x, vset1(lo)), vset1(hi));
+  const vec n = vfloor(vfma(xc, vset1(1.44269504088896341f), vset1(0.5f)));
+  vec r = vfma(n, vset1(-0.693359375f), xc);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), r);
+  p = vadd(p, vset1(1.0f));
+  return vzero_below(vmul(p, vpow2(n)), x, lo);
+}
+
+// The 16 floats from p as kWide vectors (one on AVX-512, two on AVX2), and their sum
+// in one fixed order on both builds: lane i + lane i + 8, then vsum's tree.
+constexpr int kWide = 16 / kLanes;
+inline float vsum_wide(const vec (&acc)[kWide]) {
+#if defined(__AVX512F__)
+  return vsum(acc[0]);
+#else
+  return vsum(vadd(acc[0], acc[1]));
+#endif
 }
 
 }  // namespace adaserve
