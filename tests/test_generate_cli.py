@@ -63,7 +63,7 @@ def test_generate_json_is_lossless_and_reports_mean_accepted(embedded_dir: Path)
         "--config",
         str(ROOT / "configs" / "embedded-cpu.yaml"),
     )
-    plain = _generate("--no-speculation")
+    plain = _generate("--no-speculation", "--config", str(ROOT / "configs" / "embedded-cpu.yaml"))
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     tok = load_tokenizer("embedded")
     ids = tok.apply_chat_template(
