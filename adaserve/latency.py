@@ -116,11 +116,16 @@ class ForwardLatency:
         # The chunks' share: the forward's time beyond its decode part, floored so a
         # noisy decode estimate cannot drive the factor to zero.
         extra = max(ms - self.decode_ms(tree_tokens), 0.1 * expected)
-        self._log_drift += self.alpha * (math.log(extra / expected) - self._log_drift)
+        self._log_drift = ewma(self._log_drift, math.log(extra / expected), self.alpha)
 
     def _marginal(self, tree_tokens: int, prefill_tokens: int, context: float) -> float:
         full = self.base(tree_tokens, prefill_tokens, context)
         return full - self.base(tree_tokens, 0, 0.0) if tree_tokens > 0 else full
+
+
+def ewma(mean: float, value: float, alpha: float) -> float:
+    """An exponentially weighted mean moved toward `value` by `alpha`."""
+    return mean + alpha * (value - mean)
 
 
 @dataclass
@@ -137,8 +142,7 @@ class BucketedEWMA:
 
     def observe(self, tokens: int, ms: float) -> None:
         bucket = _bucket(tokens)
-        prev = self._ms.get(bucket, ms)
-        self._ms[bucket] = prev + self.alpha * (ms - prev)
+        self._ms[bucket] = ewma(self._ms.get(bucket, ms), ms, self.alpha)
 
 
 def _bucket(n: int) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from adaserve import metrics
-from adaserve.batching import Decoding, behind_tpot, hold_prompt
+from adaserve.batching import behind_tpot, hold_prompt
 from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.engine.lifecycle import finish, flush_releases, guard
 from adaserve.engine.recovery import use_prefix_cache
@@ -270,9 +270,7 @@ def _hold_prompts(eng: Engine) -> Callable[[Request], bool] | None:
         return None
     now = eng.clock()
     decoding = [
-        Decoding(r.req.id, r.req.tpot_slo_ms, *r.elapsed_decoded(now))
-        for r in eng.pool.running.values()
-        if not r.prefilling and not r.best_effort
+        r.decoding(now) for r in eng.pool.running.values() if not r.prefilling and not r.best_effort
     ]
     if not behind_tpot(decoding):
         return None

@@ -17,10 +17,11 @@ import numpy as np
 from adaserve.adaptive import ngram_pays as ngram_pays_at
 from adaserve.drafter import DraftUpdate
 from adaserve.engine.contracts import Proposals, StepPlan
-from adaserve.engine.estimates import ewma
+from adaserve.engine.estimates import ALPHA
 from adaserve.engine.lifecycle import guard
 from adaserve.engine.planner import adaptive_settings, draftable
 from adaserve.engine.state import Request
+from adaserve.latency import ewma
 from adaserve.methods import (
     USES_NGRAM,
     chain_tokens,
@@ -86,7 +87,7 @@ def speculate(eng: Engine, plan: StepPlan) -> Proposals:
     )
     if drafted and model:  # what auto weighs against an n-gram tree alone
         ms = (eng.clock() - t0) * 1000.0
-        eng.costs.model_draft_ms = ewma(eng.costs.model_draft_ms, ms)
+        eng.costs.model_draft_ms = ewma(eng.costs.model_draft_ms, ms, ALPHA)
     trees = list(roots)
     for i, (r, source) in enumerate(zip(plan.decoding, sources, strict=True)):
         rid = r.req.id

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adaserve.latency import BucketedEWMA
+from adaserve.latency import BucketedEWMA, ewma
 
 # Weight of each new observation of the drafters' costs.
 ALPHA = 0.3
 # Weight of each new TPOT observation: ~10 iterations, so it follows load within a
 # second, not each iteration's noise.
 TPOT_ALPHA = 0.1
-
-
-def ewma(mean: float, value: float, alpha: float = ALPHA) -> float:
-    return mean + alpha * (value - mean)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from adaserve.adaptive import plan_depth_width, slack_plan
 from adaserve.batching import (
     BatchLimits,
     BatchPlan,
-    Decoding,
     Prefilling,
     behind_tpot,
     form_batch,
@@ -84,9 +83,7 @@ class _Split:
         self.eng, self.decoding, self.yields = eng, decoding, yields
         self.adaptive = adaptive_settings(eng)
         self.now = eng.clock()
-        self.progress = [
-            Decoding(r.req.id, r.req.tpot_slo_ms, *r.elapsed_decoded(self.now)) for r in decoding
-        ]
+        self.progress = [r.decoding(self.now) for r in decoding]
         self.prompts = [
             Prefilling(
                 r.req.id,
@@ -172,8 +169,7 @@ def plan_drafts(
     for r in batch:
         # Behind its TPOT SLO so far (as the prompt hold judges it, after enough
         # tokens for that to mean something): a relaxed request is drafted for.
-        elapsed, decoded = r.elapsed_decoded(now)
-        r.needs_drafts = behind_tpot([Decoding(r.req.id, r.req.tpot_slo_ms, elapsed, decoded)])
+        r.needs_drafts = behind_tpot([r.decoding(now)])
     if eng.drafter is None or not any(draftable(eng, r) for r in batch):
         return [], 0, 1
     budget, adaptive = eng.settings.scheduler.budget, adaptive_settings(eng)

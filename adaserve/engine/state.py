@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from adaserve.batching import Decoding
 from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.features import FeatureRows
 from adaserve.grammar import Constraint
@@ -92,6 +93,10 @@ class Request:
         A(r) reads (adaserve/slo.py)."""
         elapsed = (now - self.first_token_t) * 1000.0 if self.first_token_t else 0.0
         return elapsed, max(self.num_generated - 1, 0)
+
+    def decoding(self, now: float) -> Decoding:
+        """Its TPOT progress as batch formation and the prompt hold read it."""
+        return Decoding(self.req.id, self.req.tpot_slo_ms, *self.elapsed_decoded(now))
 
     def logits_context(self, masks: np.ndarray | None) -> LogitsContext | None:
         """What the target needs to process this request's rows (penalties, bias,

@@ -10,8 +10,9 @@ import numpy as np
 
 from adaserve import metrics
 from adaserve.engine.contracts import IterationTiming, VerifyBatch
-from adaserve.engine.estimates import ewma
+from adaserve.engine.estimates import ALPHA
 from adaserve.engine.state import Request
+from adaserve.latency import ewma
 from adaserve.methods import uses_drafter, uses_ngram
 from adaserve.routing import UnitLoad
 from adaserve.tree import CandidateTree
@@ -42,9 +43,9 @@ def learn(eng: Engine, batch: VerifyBatch, timing: IterationTiming) -> bool:
     drafting = plan.depth > 0 and bool(plan.drafted)
     if prefill and eng.drafter is not None and eng.drafter.ok:
         ingest = max(speculate_ms - (costs.draft_ms if drafting else 0.0), 0.0) / prefill
-        costs.ingest_ms = ewma(costs.ingest_ms, ingest)
+        costs.ingest_ms = ewma(costs.ingest_ms, ingest, ALPHA)
     elif drafting:
-        costs.draft_ms = ewma(costs.draft_ms, speculate_ms)
+        costs.draft_ms = ewma(costs.draft_ms, speculate_ms, ALPHA)
     if prefill:
         metrics.prefill_tokens_total.inc(prefill)
     if not plan.decoding:  # a forward of prompt chunks alone
@@ -53,7 +54,7 @@ def learn(eng: Engine, batch: VerifyBatch, timing: IterationTiming) -> bool:
     if any(uses_ngram(s) for s in batch.sources):
         select_ms = (timing.prepared - timing.drafted) * 1000.0
         host = (costs.ngram_lookup_ms + select_ms) / len(plan.decoding)
-        costs.ngram_host_ms = ewma(costs.ngram_host_ms, host)
+        costs.ngram_host_ms = ewma(costs.ngram_host_ms, host, ALPHA)
     eng.iterations += 1
     if not prefill:  # t_spec predicts decode iterations
         eng.tspec.observe(tokens, (timing.verified - timing.planned) * 1000.0)
