@@ -128,7 +128,10 @@ class SchedulerSettings(BaseModel):
     # Policy adaserve: an iteration's tree budget is at least the tree tokens a forward
     # may carry while the tightest decoding request stays on its TPOT SLO (the latency
     # model's curve; adaserve/batching.py `slo_tree_budget`), not only the knee B.
-    slo_budget: bool = True
+    # Off by default: it won the EuroSys mix it was tuned on and lost the random sweep
+    # (BENCHMARKS.md, "Random workloads"): where the tightest SLO is loose the budget
+    # grows to a whole forward, the plan drafts deep for it, and prompts wait.
+    slo_budget: bool = False
     # Policy adaserve: while a decoding request is behind its TPOT SLO, admission holds
     # prompts with a TTFT SLO until their deadline nears (batching.hold_prompt).
     hold_prompts: bool = True

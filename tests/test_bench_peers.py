@@ -49,7 +49,13 @@ def test_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     assert {"date", "commit", "machine", "command", "settings", "rows"} <= set(data)
     assert data["machine"]["cores"] and "isa" in data["machine"]
     rows = {row["server"]: row for row in data["rows"]}
-    assert list(rows) == ["llama-server", "adaserve-aio", "adaserve-separate", "vllm"]
+    assert list(rows) == [
+        "llama-server",
+        "adaserve-aio",
+        "adaserve-separate",
+        "adaserve-plain",
+        "vllm",
+    ]
     aio = rows["adaserve-aio"]
     assert aio["status"] == "ok", aio
     assert aio["tok_s"]["1"] > 0 and aio["tok_s"]["2"] > 0

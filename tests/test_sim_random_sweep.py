@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ def test_draws_stay_in_the_documented_space() -> None:
     assert ttft > 0
 
 
-def _fake_simulate(workload, policy: str, rps: float) -> dict[str, Any]:
+def _fake_simulate(
+    workload, policy: str, rps: float, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Attainment falling smoothly with the rate, capacity set by the workload's index,
     so the search's logic is tested without simulating."""
     capacity = 1.0 + int(workload.name.rsplit("-", 1)[1])
@@ -146,6 +149,8 @@ def test_cli_runs_a_tiny_real_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: P
             "4",
             "--policies",
             "adaserve,spec-2,cb-priority",
+            "--set",
+            "scheduler.slo_budget=true",
             "--quiet",
             "--out",
             str(out),
@@ -157,6 +162,8 @@ def test_cli_runs_a_tiny_real_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert set(w["policies"]) == {"adaserve", "spec-2", "cb-priority"}
     assert w["policies"]["adaserve"]["requests"] > 0
     assert (out / "random_sweep.png").is_file()
+    # the table says what adaserve ran with
+    assert "--set scheduler.slo_budget=true`" in (out / "random_sweep.md").read_text()
 
 
 def _quick_rate(workload):
@@ -166,3 +173,57 @@ def _quick_rate(workload):
 
 def test_cli_rejects_a_workload_with_random(tmp_path: Path) -> None:
     assert main(["simulate", "x.yaml", "--sweep", "random", "--out", str(tmp_path)]) == 2
+
+
+def test_overrides_reach_policy_adaserve_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A candidate setting (--set) is measured against the baselines as they are: only
+    # adaserve's run gets it, with and without --reuse.
+    seen: list[tuple[str, Any]] = []
+
+    def recording(workload, policy: str, rps: float, overrides=None) -> dict[str, Any]:
+        seen.append((policy, overrides))
+        return _fake_simulate(workload, policy, rps)
+
+    monkeypatch.setattr(rs, "_simulate", recording)
+    ov = {"scheduler": {"slo_budget": True}}
+    first = rs.run_random_sweep(2, 5, duration_s=5.0, progress=False, overrides=ov)
+    assert {p for p, o in seen if o} == {"adaserve"}
+    assert all(o == ov for p, o in seen if p == "adaserve")
+    seen.clear()
+    rs.run_random_sweep(2, 5, duration_s=5.0, progress=False, overrides=ov, reuse=first)
+    assert seen == [("adaserve", ov)] * 2
+
+
+def test_worst_class_names_where_adaserve_loses() -> None:
+    def run(att: float, ttft: float, tpot: float, c1: float) -> dict[str, Any]:
+        return {
+            "per_class": {
+                "c0": {
+                    "requests": 30,
+                    "slo_attainment": att,
+                    "ttft_attainment": ttft,
+                    "tpot_attainment": tpot,
+                },
+                "c1": {
+                    "requests": 70,
+                    "slo_attainment": c1,
+                    "ttft_attainment": 1.0,
+                    "tpot_attainment": c1,
+                },
+            }
+        }
+
+    # c0 loses 0.5 x 30 = 15 requests on TTFT; c1 loses 0.1 x 70 = 7 on TPOT
+    result = {
+        "best_baseline": "cb",
+        "policies": {"adaserve": run(0.4, 0.4, 1.0, 0.8), "cb": run(0.9, 0.9, 1.0, 0.9)},
+    }
+    assert rs.worst_class(result) == "c0 (30%): TTFT 0.400 vs 0.900, TPOT 1.000 vs 1.000"
+    result["policies"]["adaserve"] = run(0.9, 0.9, 1.0, 0.95)
+    assert rs.worst_class(result) == "-"  # no class where adaserve misses more
+
+
+def test_cli_rejects_an_unknown_setting(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = shlex.split("simulate --sweep random --n 1 --set scheduler.slo_budgt=true --out")
+    assert main([*args, str(tmp_path)]) == 2
+    assert "scheduler.slo_budgt: no such setting" in capsys.readouterr().err

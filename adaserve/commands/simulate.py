@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+
+from adaserve.config import Settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -174,11 +177,14 @@ def _sweep(args: argparse.Namespace, workload) -> int:
 def _random_sweep(args: argparse.Namespace) -> int:
     from adaserve.sim.random_sweep import POLICIES, run_random_sweep, write
 
-    if args.workload or args.set or args.values or args.units or args.routing:
-        raise ValueError("--sweep random draws its own workloads: no workload, --set, --values")
+    if args.workload or args.values or args.units or args.routing:
+        raise ValueError("--sweep random draws its own workloads: no workload, --values")
     seed = 0 if args.seed is None else args.seed
     duration = args.duration or 60.0
     policies = _csv(args.policies) if args.policies else list(POLICIES)
+    # --set applies to policy adaserve only: the baselines stay what they are, so a
+    # candidate setting is measured against them (with --reuse, on the same traces).
+    overrides = _parse_sets(args.set)
     reuse = []
     if args.reuse:
         reuse = json.loads(Path(args.reuse).read_text())["workloads"]
@@ -191,11 +197,12 @@ def _random_sweep(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         reuse=reuse,
         partial=Path(args.out) / "random_sweep.partial.json",
+        overrides=overrides,
     )
+    sets = "".join(f" --set {kv}" for kv in args.set or ())
     header = (
-        f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}`"
-        + (f" (adaserve re-run over `{args.reuse}`)" if args.reuse else "")
-        + "\n"
+        f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}"
+        f"{sets}`" + (f" (adaserve re-run over `{args.reuse}`)" if args.reuse else "") + "\n"
     )
     paths = write(results, Path(args.out), header)
     (Path(args.out) / "random_sweep.partial.json").unlink(missing_ok=True)  # now complete
@@ -221,7 +228,27 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = yaml.safe_load(value)
+    _check_keys(Settings, out, "")
     return out
+
+
+def _check_keys(model: type[BaseModel], values: dict[str, Any], where: str) -> None:
+    """ValueError on a --set key no setting has: a typo would otherwise run the
+    unchanged default and report it as the candidate."""
+    names = {}
+    for name, f in model.model_fields.items():
+        names[name] = f
+        for alias in getattr(f.validation_alias, "choices", ()):  # AliasChoices
+            if isinstance(alias, str):
+                names[alias] = f
+    for key, value in values.items():
+        field = names.get(key)
+        if field is None:
+            known = ", ".join(sorted(model.model_fields))
+            raise ValueError(f"--set {where}{key}: no such setting (known here: {known})")
+        sub = field.annotation
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            _check_keys(sub, value, f"{where}{key}.")
 
 
 def _with_overrides(workload, overrides: dict[str, Any]):

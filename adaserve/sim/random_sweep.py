@@ -36,7 +36,11 @@ Compared: `adaserve` against the best *baseline*, the best of every other policy
 (goodput on ties): violations ratio = (best's violations + 1) / (adaserve's + 1) (> 1:
 adaserve misses fewer; the +1 keeps workloads nobody misses on finite), goodput ratio =
 adaserve's / the best's. And against `cb-priority` (the same engine not speculating):
-adaserve must attain at least as much.
+adaserve must attain at least as much. `--set KEY=VALUE` changes policy adaserve's
+settings only (with `--reuse`, over the same rates and traces): a candidate change is
+measured against the baselines as they are. Per workload the table also names the
+class where adaserve loses most to the best baseline (`worst_class`), with both
+policies' TTFT and TPOT attainment there: which phase misses.
 """
 
 from __future__ import annotations
@@ -215,11 +219,13 @@ def initial_rate(workload: Workload) -> float:
     return 1.0 / max(busy_s, 1e-6)
 
 
-def _simulate(workload: Workload, policy: str, rps: float) -> dict[str, Any]:
+def _simulate(
+    workload: Workload, policy: str, rps: float, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from adaserve.sim.driver import simulate
 
     duration = max(workload.duration_s, MIN_REQUESTS / rps)
-    s = simulate(workload, policy, rps=rps, duration_s=duration).summary
+    s = simulate(workload, policy, rps=rps, duration_s=duration, overrides=overrides).summary
     keep = (
         "policy",
         "rps",
@@ -276,18 +282,25 @@ def find_rate(
 
 
 def run_workload(
-    args: tuple[Workload, Sequence[str], dict[str, Any] | None, Sequence[str]],
+    args: tuple[Workload, Sequence[str], dict[str, Any] | None, Sequence[str], dict[str, Any]],
 ) -> dict[str, Any]:
     """One workload: the rate search, then every policy at the rate found. `reused`: this
     workload's result from an earlier sweep (same draw): its rate and every policy's
-    run are kept but those in `rerun`."""
-    workload, policies, reused, rerun = args
+    run are kept but those in `rerun`. `overrides`: settings for policy adaserve's run
+    only (the baselines and the rate search never see them)."""
+    workload, policies, reused, rerun, overrides = args
     if reused is not None:
         rate, tried = reused["rps"], reused["search"]
         runs = {p: r for p, r in reused["policies"].items() if p not in rerun}
     else:
         rate, runs, tried = find_rate(workload)
-    results = {p: runs[p] if p in runs else _simulate(workload, p, rate) for p in policies}
+
+    def run(policy: str) -> dict[str, Any]:
+        if policy == "adaserve" and overrides:
+            return _simulate(workload, policy, rate, overrides)
+        return _simulate(workload, policy, rate)
+
+    results = {p: runs[p] if p in runs else run(p) for p in policies}
     return {
         "name": workload.name,
         "profile": workload.profile,
@@ -333,12 +346,15 @@ def run_random_sweep(
     reuse: Sequence[dict[str, Any]] = (),
     rerun: Sequence[str] = ("adaserve",),
     partial: Path | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One result per workload, in index order (the same for any worker count).
     `reuse`: the workloads of an earlier sweep's JSON; one drawn alike (same seed,
     index, duration and code) keeps its rate and its runs of every policy not in
     `rerun`, so a change to policy adaserve alone re-runs only it, on the same traces.
-    `partial`: a JSON file rewritten with the workloads done so far, in order."""
+    `partial`: a JSON file rewritten with the workloads done so far, in order.
+    `overrides`: adaserve settings (`--set`) for policy adaserve's runs: a candidate
+    change measured on the sweep before it becomes a default."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if "adaserve" not in policies:
@@ -350,7 +366,7 @@ def run_random_sweep(
         old = earlier.get(wl.name)
         if old is not None and old["workload"] != wl.model_dump(mode="json"):
             old = None  # drawn differently (another duration or generator): run it all
-        tasks.append((wl, tuple(policies), old, tuple(rerun)))
+        tasks.append((wl, tuple(policies), old, tuple(rerun), dict(overrides or {})))
     from tqdm import tqdm
 
     bar = tqdm(total=n, desc="random sweep", disable=not progress, file=sys.stderr, leave=False)
@@ -396,6 +412,29 @@ def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def worst_class(result: dict[str, Any]) -> str:
+    """Where adaserve loses to the best baseline on one workload: the class with the most
+    requests the best baseline meets and adaserve misses, its share of the requests, and
+    both policies' TTFT / TPOT attainment in it ("-" where adaserve misses no more)."""
+    ours = result["policies"]["adaserve"].get("per_class") or {}
+    best = result["policies"][result["best_baseline"]].get("per_class") or {}
+    total = sum(c.get("requests") or 0 for c in ours.values())
+    lost = {
+        name: (best[name]["slo_attainment"] - c["slo_attainment"]) * (c.get("requests") or 0)
+        for name, c in ours.items()
+        if name in best and c.get("slo_attainment") is not None
+    }
+    if not lost or max(lost.values()) <= 0 or not total:
+        return "-"
+    name = max(lost, key=lambda k: lost[k])
+    a, b = ours[name], best[name]
+    return (
+        f"{name} ({a['requests'] / total:.0%}): TTFT {_f(a.get('ttft_attainment'))} vs "
+        f"{_f(b.get('ttft_attainment'))}, TPOT {_f(a.get('tpot_attainment'))} vs "
+        f"{_f(b.get('tpot_attainment'))}"
+    )
+
+
 def markdown(results: Sequence[dict[str, Any]], header: str = "") -> str:
     agg = aggregate(results)
     lines = [header] if header else []
@@ -410,8 +449,9 @@ def markdown(results: Sequence[dict[str, Any]], header: str = "") -> str:
         + ".",
         "",
         "| workload | profile | req/s | best baseline | attainment adaserve / best / cb-priority "
-        "| TTFT att. adaserve / cb-priority | violations ratio | goodput ratio | workload |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT att. adaserve / cb-priority | violations ratio | goodput ratio "
+        "| where adaserve loses most: class (share): adaserve vs best | workload |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p = r["policies"]
@@ -423,7 +463,7 @@ def markdown(results: Sequence[dict[str, Any]], header: str = "") -> str:
             f"{a['slo_attainment']:.3f} / {b['slo_attainment']:.3f} / "
             f"{_f(c.get('slo_attainment'))} | {_f(a.get('ttft_attainment'))} / "
             f"{_f(c.get('ttft_attainment'))} | {r['violations_ratio']:.2f} | "
-            f"{r['goodput_ratio']:.2f} | {desc} |"
+            f"{r['goodput_ratio']:.2f} | {worst_class(r)} | {desc} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,6 @@
 """adaserve against its peers on this machine (issue 32): llama.cpp's `llama-server`,
-adaserve in both layouts, and vLLM's CPU build where it imports, one at a time, on the
+adaserve in both layouts and with speculation off (`adaserve-plain`: what a token of
+the target alone costs), and vLLM's CPU build where it imports, one at a time, on the
 same model (SmolLM2-135M-Instruct; llama.cpp serves the embedded Q4_1 GGUF, the file
 adaserve dequantizes), with the same requests.
 
@@ -53,10 +54,13 @@ from _server import free_port, start_up, stop_up  # noqa: E402
 
 # The one chat prompt of the tokens/s measurement: 42 tokens in SmolLM2's chat template.
 PROMPT = "Write a Python function that checks whether a number is prime."
-SERVERS = ("llama-server", "adaserve-aio", "adaserve-separate", "vllm")
+SERVERS = ("llama-server", "adaserve-aio", "adaserve-separate", "adaserve-plain", "vllm")
 LAYOUTS = {
     "llama-server": "1 process, `-t {threads} -np 8 -c {ctx}`",
     "adaserve-aio": "`up --all-in-one`: gateway + 1 verifier (drafter, scheduler in-process)",
+    # Plain decoding: the same all-in-one server with speculation off, what a token of
+    # the target alone costs (issue 32's "plain decode at 1 request" bar).
+    "adaserve-plain": "`up --all-in-one`, `engine.speculation: false`",
     "adaserve-separate": "`up`: gateway, verifier, drafter, scheduler processes",
     "vllm": "`vllm serve`, CPU backend",
 }
@@ -167,12 +171,14 @@ def start_server(name: str, args: argparse.Namespace, port: int, out: Path) -> s
     if name.startswith("adaserve"):
         up = ["--target", "embedded", "--drafter", args.drafter, "--config", args.config]
         up += ["--metrics-port", "0"]
-        if name == "adaserve-aio":
+        if name in ("adaserve-aio", "adaserve-plain"):
             up.append("--all-in-one")
         # --smoke: a fixed baseline TPOT skips the startup measurements (baseline and
         # latency curve, minutes on a busy 2-core host)
-        env = {"ADASERVE_SLO__BASELINE_TPOT_MS": "100"} if args.smoke else None
-        return start_up(up, port, log, env=env)
+        env = {"ADASERVE_SLO__BASELINE_TPOT_MS": "100"} if args.smoke else {}
+        if name == "adaserve-plain":  # the environment wins over --config
+            env["ADASERVE_ENGINE__SPECULATION"] = "false"
+        return start_up(up, port, log, env=env or None)
     if name == "llama-server":
         from adaserve.model.embedded import embedded_gguf
 
