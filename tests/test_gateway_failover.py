@@ -95,17 +95,32 @@ def two_units(target: Path, tmp_path: Path) -> Iterator[tuple[str, list[Proc], l
             p.stop()
 
 
+def _frozen_mid_stream(url: str, procs: list[Proc], addrs: list[str]) -> tuple[Stream, int]:
+    """A stream, and the index of the unit serving it, SIGSTOPped before the stream
+    ended. The tiny model can finish a stream between the check and the signal, or
+    have written its last frames before it stopped (the gateway then still reads them):
+    the freeze counts once the stream has stayed open a moment after it; else the unit
+    resumes and a new stream is tried."""
+    for _ in range(5):
+        s = Stream(url)
+        assert s.first.wait(30) and s.frames, s.error
+        busy = [i for i, a in enumerate(addrs) if _units(url)[a]["outstanding"] == 1]
+        if busy:
+            procs[busy[0]].p.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)  # frames already sent drain to the gateway
+            if s.frames[-1] != "data: [DONE]" and _units(url)[addrs[busy[0]]]["outstanding"] == 1:
+                return s, busy[0]
+            procs[busy[0]].p.send_signal(signal.SIGCONT)
+        s.join(60)
+    pytest.skip("every stream finished before its unit could be frozen")
+
+
 def test_unit_killed_mid_stream(two_units, target: Path, tmp_path: Path) -> None:
     url, procs, addrs = two_units
     # Freeze the unit serving the first stream, so the kill lands mid-stream however
     # fast the tiny model is; the frozen unit keeps its lease at the gateway.
-    s1 = Stream(url)
-    assert s1.first.wait(30) and s1.frames, s1.error
-    busy = [i for i, a in enumerate(addrs) if _units(url)[a]["outstanding"] == 1]
-    if not busy:
-        pytest.skip("the first stream finished before it could be frozen")
-    x, y = busy[0], 1 - busy[0]
-    procs[x].p.send_signal(signal.SIGSTOP)
+    s1, x = _frozen_mid_stream(url, procs, addrs)
+    y = 1 - x
     # Least outstanding requests: the next stream goes to the other unit, and completes
     # there while the first unit is frozen.
     s2 = Stream(url)
