@@ -121,7 +121,7 @@ def test_sweep_is_deterministic_and_writes_table_and_plot(
     # reuse keeps every baseline run and the rate; only adaserve runs again
     calls: list[str] = []
 
-    def counting(workload, policy: str, rps: float) -> dict[str, Any]:
+    def counting(workload, policy: str, rps: float, overrides=None) -> dict[str, Any]:
         calls.append(policy)
         return _fake_simulate(workload, policy, rps)
 

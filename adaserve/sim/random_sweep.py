@@ -282,25 +282,24 @@ def find_rate(
 
 
 def run_workload(
-    args: tuple[Workload, Sequence[str], dict[str, Any] | None, Sequence[str], dict[str, Any]],
+    args: tuple[
+        Workload, Sequence[str], dict[str, Any] | None, Sequence[str], dict[str, Any] | None
+    ],
 ) -> dict[str, Any]:
     """One workload: the rate search, then every policy at the rate found. `reused`: this
     workload's result from an earlier sweep (same draw): its rate and every policy's
-    run are kept but those in `rerun`. `overrides`: settings for policy adaserve's run
-    only (the baselines and the rate search never see them)."""
-    workload, policies, reused, rerun, overrides = args
+    run are kept but those in `rerun`. `ours`: settings for policy adaserve's run only
+    (the baselines and the rate search never see them)."""
+    workload, policies, reused, rerun, ours = args
     if reused is not None:
         rate, tried = reused["rps"], reused["search"]
         runs = {p: r for p, r in reused["policies"].items() if p not in rerun}
     else:
         rate, runs, tried = find_rate(workload)
-
-    def run(policy: str) -> dict[str, Any]:
-        if policy == "adaserve" and overrides:
-            return _simulate(workload, policy, rate, overrides)
-        return _simulate(workload, policy, rate)
-
-    results = {p: runs[p] if p in runs else run(p) for p in policies}
+    results = {
+        p: runs[p] if p in runs else _simulate(workload, p, rate, ours if p == "adaserve" else None)
+        for p in policies
+    }
     return {
         "name": workload.name,
         "profile": workload.profile,
@@ -366,7 +365,7 @@ def run_random_sweep(
         old = earlier.get(wl.name)
         if old is not None and old["workload"] != wl.model_dump(mode="json"):
             old = None  # drawn differently (another duration or generator): run it all
-        tasks.append((wl, tuple(policies), old, tuple(rerun), dict(overrides or {})))
+        tasks.append((wl, tuple(policies), old, tuple(rerun), overrides))
     from tqdm import tqdm
 
     bar = tqdm(total=n, desc="random sweep", disable=not progress, file=sys.stderr, leave=False)

@@ -178,7 +178,7 @@ def start_server(name: str, args: argparse.Namespace, port: int, out: Path) -> s
         env = {"ADASERVE_SLO__BASELINE_TPOT_MS": "100"} if args.smoke else {}
         if name == "adaserve-plain":  # the environment wins over --config
             env["ADASERVE_ENGINE__SPECULATION"] = "false"
-        return start_up(up, port, log, env=env or None)
+        return start_up(up, port, log, env=env)
     if name == "llama-server":
         from adaserve.model.embedded import embedded_gguf
 
