@@ -23,6 +23,7 @@ from pydantic import (
     PositiveInt,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # What drafts a request's trees (request field `speculation.method`, per SLO class,
@@ -401,11 +402,35 @@ def load_settings(path: str | os.PathLike | None = None, **overrides) -> Setting
         if not p.is_file():
             raise FileNotFoundError(f"config file not found: {p}")
         data = yaml.safe_load(p.read_text()) or {}
+        try:
+            check_keys(data)
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
     # Environment wins over the file: BaseSettings reads env for fields not passed in,
     # so merge env-derived values over the file's explicitly.
     env = Settings().model_dump(exclude_unset=True)
     merged = _deep_merge(_deep_merge(data, env), overrides)
     return Settings(**merged)
+
+
+def check_keys(values: dict, model: type[BaseModel] = Settings, where: str = "") -> None:
+    """ValueError on a key no setting has (field names and their aliases, nested
+    sections checked in turn): pydantic ignores unknown keys, and a typo in a settings
+    file or a --set would otherwise run the default without a word."""
+    names: dict[str, FieldInfo] = {}
+    for name, f in model.model_fields.items():
+        names[name] = f
+        for alias in getattr(f.validation_alias, "choices", ()):  # AliasChoices
+            if isinstance(alias, str):
+                names[alias] = f
+    for key, value in values.items():
+        field = names.get(key)
+        if field is None:
+            known = ", ".join(sorted(model.model_fields))
+            raise ValueError(f"{where}{key}: no such setting (known here: {known})")
+        sub = field.annotation
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            check_keys(value, sub, f"{where}{key}.")
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
 
-from adaserve.config import Settings
+from adaserve.config import check_keys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -228,27 +227,11 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = yaml.safe_load(value)
-    _check_keys(Settings, out, "")
+    try:
+        check_keys(out)
+    except ValueError as exc:
+        raise ValueError(f"--set {exc}") from None
     return out
-
-
-def _check_keys(model: type[BaseModel], values: dict[str, Any], where: str) -> None:
-    """ValueError on a --set key no setting has: a typo would otherwise run the
-    unchanged default and report it as the candidate."""
-    names = {}
-    for name, f in model.model_fields.items():
-        names[name] = f
-        for alias in getattr(f.validation_alias, "choices", ()):  # AliasChoices
-            if isinstance(alias, str):
-                names[alias] = f
-    for key, value in values.items():
-        field = names.get(key)
-        if field is None:
-            known = ", ".join(sorted(model.model_fields))
-            raise ValueError(f"--set {where}{key}: no such setting (known here: {known})")
-        sub = field.annotation
-        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
-            _check_keys(sub, value, f"{where}{key}.")
 
 
 def _with_overrides(workload, overrides: dict[str, Any]):

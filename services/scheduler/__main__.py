@@ -30,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"adaserve scheduler: {exc}", file=sys.stderr)
         return 2
-    settings = load_settings(args.config)
-    try:
+    try:  # a bad settings file is the user's to fix: no traceback
+        settings = load_settings(args.config)
         tls.configure(settings.tls)
     except (OSError, ValueError) as exc:
         print(f"adaserve scheduler: {exc}", file=sys.stderr)
