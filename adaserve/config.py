@@ -276,10 +276,16 @@ class ModelSettings(BaseModel):
     # sixth of the bytes for Q4_1; one-rank float32 CPU only, refused elsewhere).
     # "none": float32 (bfloat16 on a GPU) weights, the GGUF dequantized at conversion.
     # "int8": weight-only int8 per output feature on a CPU (logits change slightly; an
-    # fp32 Hugging Face target's option). "auto": stored where it runs, else none.
+    # fp32 Hugging Face target's option). "int4": weight-only int4 per group of 32 input
+    # features (Q4_1 blocks made at load; the LM head Q8_0) on the stored kernel, with
+    # stored_activations: any float32 model, a Hugging Face directory included; a CPU
+    # option (on a GPU it runs unquantized, reported as none). "auto": stored where it
+    # runs, else none. Speculation stays lossless under each: the quantized target is
+    # the reference its own plain decoding defines.
     # Logged at startup, in /v1/models and as adaserve_model_quantization.
-    quantization: Literal["auto", "none", "stored", "int8"] = "auto"
-    # What stored weights multiply (model.quantization stored). "int8": each token row
+    quantization: Literal["auto", "none", "stored", "int8", "int4"] = "auto"
+    # What stored weights multiply (model.quantization stored or int4, and an int4
+    # drafter's). "int8": each token row
     # quantized per block of 32 features to int8 with a float scale (ggml's Q8_1) and
     # integer dot products per block, as llama.cpp does: 1.5-2.9x faster linear layers
     # than "float32", logits within the activation rounding of the float32 ones (a
@@ -288,8 +294,9 @@ class ModelSettings(BaseModel):
     stored_activations: Literal["float32", "int8"] = "float32"
     # "int8": where the drafter runs on a CPU, its linear layers run as dynamic int8
     # (about twice as fast a draft step; output unchanged, the target verifies every
-    # token). Ignored on a GPU, so one settings file serves both.
-    drafter_quantization: Literal["none", "int8"] = "none"
+    # token). "int4": Q4_1 blocks as the target's int4, multiplying stored_activations.
+    # Ignored on a GPU, so one settings file serves both.
+    drafter_quantization: Literal["none", "int8", "int4"] = "none"
     # "auto": float32 models on an x86-64 CPU with AVX-512 or AVX2 run their linear
     # layers on adaserve's packed few-row kernel (built with g++ on first use; MKL where
     # it cannot be), which verifies a 5-token tree in ~1.1x a plain decode step instead

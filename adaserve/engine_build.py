@@ -161,6 +161,7 @@ def build_drafter(
         kv_block_size=settings.engine.kv_block_size,
         max_model_len=settings.engine.max_model_len,
         quantization=ms.drafter_quantization,
+        stored_activations=ms.stored_activations,
         cpu_kernel=ms.cpu_kernel,
         prefix_caching=settings.engine.prefix_caching,
         attention_backend=ms.attention_backend,

@@ -59,7 +59,7 @@ attention_backend = Gauge(
 )
 model_quantization = Gauge(
     "adaserve_model_quantization",
-    "1 for what each model's weights run as (model.quantization: none, int8, stored)",
+    "1 for what each model's weights run as (model.quantization: none, int8, int4, stored)",
     ["role", "quantization"],
 )
 

@@ -75,8 +75,8 @@ def test_every_linear_is_int8_and_the_logits_stay_close(request, fixture, expect
 def test_quantization_is_refused_where_it_cannot_run(model_dir):
     # MKL layers: the packed CPU kernel (cpu_gemm.py) would have replaced them
     runner = load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=64, cpu_kernel="mkl")
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-        load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=64, quantization="int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        load_runner(model_dir, device="cpu", dtype="float32", kv_blocks=64, quantization="int3")
     runner.model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         quantize_int8(runner.model)

@@ -362,7 +362,7 @@ def test_settings_resolve_and_refuse(tiny_llama_dir):
     with pytest.raises(ValueError, match="float32"):
         resolve_quantization("stored", _dir(), cpu, torch.bfloat16, 1, "auto")
     with pytest.raises(ValueError, match="unknown quantization"):
-        resolve_quantization("int4", _dir(), cpu, f32, 1, "auto")
+        resolve_quantization("int3", _dir(), cpu, f32, 1, "auto")
     assert load_settings(None).model.quantization == "auto"
 
 

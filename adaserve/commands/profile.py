@@ -43,13 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drafter-quantization",
-        choices=["none", "int8"],
+        choices=["none", "int8", "int4"],
         default="none",
         help="profile the drafter as model.drafter_quantization runs it (int8: on a CPU)",
     )
     p.add_argument(
         "--quantization",
-        choices=["auto", "none", "stored", "int8"],
+        choices=["auto", "none", "stored", "int8", "int4"],
         default="auto",
         help="profile the target as model.quantization runs it (auto: a GGUF's stored "
         "blocks on a CPU, as served by default)",

@@ -20,7 +20,7 @@ from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.layers import TPGroup
 from adaserve.model.llama import LlamaModel
 from adaserve.model.runner import ModelRunner
-from adaserve.model.stored import gguf_source, resolve_quantization, serve_stored
+from adaserve.model.stored import gguf_source, resolve_quantization, serve_int4, serve_stored
 from adaserve.model.weights import WeightSource, load_state
 
 log = logging.getLogger(__name__)
@@ -94,12 +94,15 @@ def build_runner(
         source = gguf_source(path)
         assert source is not None  # resolve_quantization checked
         formats = dict(serve_stored(model, source, activations=stored_activations))
+    elif quantization == "int4":
+        formats = dict(serve_int4(model, activations=stored_activations))
     elif quantization == "int8" and device.type == "cpu":
         from adaserve.model.quantize import quantize_int8
 
         quantize_int8(model, cpu_kernel)
     elif quantization == "int8":  # one settings file serves a laptop and a GPU box alike
         log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
+        quantization = "none"  # reported as what runs
     heads = cfg.num_heads // tp.size
     backend = None
     if device.type == "cpu" and dtype == torch.float32 and tp.size == 1:

@@ -18,6 +18,14 @@ Other tensor types (F16, K-quants, ...) keep their layer in float32 on the packe
 kernel, logged. Tensor parallelism is refused: a rank would need its slice of the
 quantized blocks (column slices are whole rows of blocks, row slices cut features in
 multiples of 32), which is not done.
+
+A model that has no quantized file (a Hugging Face safetensors directory, or any target
+under `model.quantization: int4`) gets the same blocks made at load (`serve_int4`):
+each linear layer's float32 weights quantized per 32 input features to Q4_1 (4-bit
+quants with a float16 scale and minimum: weight-only int4 per group), the LM head and
+embedding to Q8_0 (as llama.cpp's own converters keep the output matrix at 8 bits,
+where 4 bits costs the most accuracy), by the `gguf` package's reference quantizers,
+so the bytes are those llama.cpp's quantizer would write.
 """
 
 from __future__ import annotations
@@ -32,17 +40,20 @@ import torch
 
 from adaserve.model.cpu_gemm import (
     GGML_TYPES,
+    GROUP,
     QuantEmbedding,
     QuantLinear,
     packed_kernel_available,
 )
 from adaserve.model.embedded import MARKER
-from adaserve.model.layers import VocabParallelEmbedding
+from adaserve.model.layers import VocabParallelEmbedding, linear_layers
 from adaserve.model.llama import DecoderLayer, LlamaModel
 
 # model.quantization for a target: `auto` is `stored` for a GGUF target where it runs
 # (one-rank float32 CPU model, packed kernel built), else `none`.
-TARGET_QUANTIZATIONS = ("auto", "none", "stored", "int8")
+TARGET_QUANTIZATIONS = ("auto", "none", "stored", "int8", "int4")
+# What a drafter may run as (model.drafter_quantization).
+DRAFTER_QUANTIZATIONS = ("none", "int8", "int4")
 
 log = logging.getLogger("adaserve.model")
 
@@ -71,6 +82,20 @@ def resolve_quantization(
         raise ValueError(
             f"unknown quantization {quantization!r} ({' | '.join(TARGET_QUANTIZATIONS)})"
         )
+    if quantization == "int4":
+        if device.type != "cpu":  # one settings file serves a laptop and a GPU box alike
+            log.info("%s: int4 runs on the CPU; on %s it runs unquantized", path.name, device)
+            return "none"
+        why = None
+        if tp > 1:
+            why = "tensor parallelism does not shard quantized blocks (use none with tp > 1)"
+        elif dtype != torch.float32:
+            why = f"it runs in float32, not in {dtype}"
+        elif not packed_kernel_available(cpu_kernel):
+            why = "it needs the packed CPU kernel (model.cpu_kernel auto, g++, AVX2 or AVX-512)"
+        if why is not None:
+            raise ValueError(f"model.quantization int4: {why}")
+        return "int4"
     if quantization not in ("auto", "stored"):
         return quantization
     why = None
@@ -167,6 +192,65 @@ def serve_stored(
     log.info(
         "stored weights from %s: %s linear layers (packed CPU kernel, %s activations)",
         gguf.name,
+        ", ".join(f"{n} {f}" for f, n in sorted(formats.items())),
+        activations,
+    )
+    return formats
+
+
+# serve_int4's block formats: the GGUF types llama.cpp's Q4_1 files use.
+Q4_1, Q8_0 = 3, 8
+
+
+def quantize_blocks(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """Float32 weights [out, in] as GGUF blocks, uint8 [out, in / 32 * block bytes], by
+    the `gguf` package's reference quantizer (llama.cpp's arithmetic, so the same bytes
+    its quantizer writes)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = weight.detach().float().contiguous().numpy()
+    return torch.from_numpy(quantize(w, GGMLQuantizationType(ggml_type)))
+
+
+def serve_int4(
+    model: LlamaModel, isa: str | None = None, activations: str = "int8"
+) -> Counter[str]:
+    """Quantize each linear layer of a one-rank float32 CPU model at load and swap it for
+    a QuantLinear over the blocks, in place: Q4_1 (weight-only int4 per 32 input
+    features), the LM head Q8_0, and the embedding a lookup into the head's blocks
+    (tied) or its own Q8_0 ones, so no float32 weight matrix stays in memory. A layer
+    whose input features are not a multiple of 32 stays float32, logged. Returns how
+    many layers per format."""
+    if model.tp.size > 1:
+        raise ValueError("model.quantization int4: one rank only (tp 1)")
+    embed = model.embed
+    assert isinstance(embed, VocabParallelEmbedding)
+    tied = model.lm_head.weight_t is embed.weight_t
+    formats: Counter[str] = Counter()
+    for parent, name, child in list(linear_layers(model)):
+        weight = child.weight_t  # [in, out]
+        if weight.shape[0] % GROUP:
+            log.info("int4: %s stays float32 (%d input features)", name, weight.shape[0])
+            formats["F32"] += 1
+            continue
+        head = child is model.lm_head
+        kind = Q8_0 if head else Q4_1
+        raw = quantize_blocks(weight.t(), kind)
+        bias = getattr(child, "bias", None)
+        layer = QuantLinear(raw, kind, weight.shape[0], bias, isa=isa, activations=activations)
+        setattr(parent, name, layer)
+        formats[layer.format] += 1
+        if head and tied:
+            model.embed = QuantEmbedding(layer)
+    if not tied and embed.weight_t.shape[0] % GROUP == 0:
+        table = embed.weight_t.t()  # [vocab, hidden]: a lookup table, quantized like the head
+        raw = quantize_blocks(table, Q8_0)
+        model.embed = QuantEmbedding(
+            QuantLinear(raw, Q8_0, table.shape[1], isa=isa, activations=activations)
+        )
+    log.info(
+        "int4 weights: %s linear layers (packed CPU kernel, %s activations)",
         ", ".join(f"{n} {f}" for f, n in sorted(formats.items())),
         activations,
     )

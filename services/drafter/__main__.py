@@ -131,6 +131,7 @@ def _beam(model: str, args: argparse.Namespace, settings: Settings) -> Drafter:
         max_model_len=settings.engine.max_model_len,
         threads=args.threads,
         quantization=ms.drafter_quantization,
+        stored_activations=ms.stored_activations,
         cpu_kernel=ms.cpu_kernel,
         prefix_caching=settings.engine.prefix_caching,
         attention_backend=args.attention_backend or ms.attention_backend,
