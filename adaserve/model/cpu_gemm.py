@@ -9,8 +9,8 @@ each weight once for a few rows at a time: 5 rows cost about what 1 does, and a
 256-row prefill chunk within ~10% of MKL (`benchmarks/bench_verify.py --cpu-kernel
 auto mkl`).
 
-One source builds for AVX-512 or for AVX2 + FMA, whichever the CPU has
-(`supported_isas()`).
+One source builds for AVX-512 (with VNNI where the CPU has it) or for AVX2 + FMA,
+whichever the CPU has (`supported_isas()`).
 Each output is the same sequence of FMA chains (128 input features each, summed in
 order) for any number of rows and on either build, so a token's logits do not depend
 on the tree verified beside it. The result differs from MKL's in the last bits
@@ -64,7 +64,14 @@ SOURCES = (CSRC / "skinny_gemm.cpp", CSRC / "cpu_ops.cpp")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 # torch's name for the CPU's vector capability -> our build of the kernel for it.
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mfma"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
+# avx512vnni: the AVX-512 build with VNNI's one-instruction int8 dot products (simd.h
+# idot), for the int8-activation path; the same bits as avx512's.
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mfma")
+ISA_FLAGS = {
+    "avx512vnni": (*_AVX512, "-mavx512vnni"),
+    "avx512": _AVX512,
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
 _TORCH_ISA = {"AVX512": "avx512", "AVX2": "avx2"}
 
 
@@ -107,7 +114,21 @@ def supported_isas() -> tuple[str, ...]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _TORCH_ISA:
         raise KernelUnavailable(f"needs AVX2 + FMA or AVX-512 (this CPU: {capability})")
-    return ("avx512", "avx2") if capability == "AVX512" else ("avx2",)
+    if capability != "AVX512":
+        return ("avx2",)
+    return ("avx512vnni", "avx512", "avx2") if _cpu_has("avx512_vnni") else ("avx512", "avx2")
+
+
+@cache
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (torch's capability does not name VNNI)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(
+        flag in line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")
+    )
 
 
 @cache
