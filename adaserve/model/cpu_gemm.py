@@ -127,7 +127,9 @@ def _cpu_has(flag: str) -> bool:
     except OSError:
         return False
     return any(
-        flag in line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")
+        flag in line.split(":", 1)[1].split()
+        for line in text.splitlines()
+        if line.startswith("flags")
     )
 
 
