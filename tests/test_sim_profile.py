@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from adaserve.cli import main
 from adaserve.sim.acceptance import AcceptanceSettings, build_acceptance, load_trace
@@ -62,6 +63,24 @@ def test_profile_and_trace_from_real_runners(tiny_llama_dir: Path, tmp_path: Pat
     rng = np.random.default_rng(0)
     assert np.all((cal(np.linspace(0, 1, 11), rng) >= 0) & (cal(np.linspace(0, 1, 11), rng) <= 1))
     assert draft(3, 2, rng).shape == (3, 2)
+
+
+def test_profile_of_int4_weights_as_served(tiny_llama_dir: Path, tmp_path: Path, caplog):
+    """`--quantization int4 --drafter-quantization int4 --stored-activations int8`
+    profiles the runners as `model.quantization: int4` serves them (Q4_1 blocks on the
+    packed kernel, int8 activations); the profile loads."""
+    from adaserve.model.cpu_gemm import packed_kernel_available
+
+    if not packed_kernel_available():
+        pytest.skip("int4 needs the packed CPU kernel")
+    out = tmp_path / "int4.yaml"
+    argv = _profile_argv(tiny_llama_dir, out, "1,4", "0", "--quiet")
+    argv += ["--quantization", "int4", "--drafter-quantization", "int4"]
+    with caplog.at_level("INFO"):
+        assert main([*argv, "--stored-activations", "int8"]) == 0
+    swapped = "int4 weights: 8 Q4_1, 1 Q8_0 linear layers (packed CPU kernel, int8 activations)"
+    assert caplog.text.count(swapped) == 2  # the target and the drafter
+    assert load_profile(out).verify.tokens == [1, 4]
 
 
 def test_knee_budget():

@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="profile the target as model.quantization runs it (auto: a GGUF's stored "
         "blocks on a CPU, as served by default)",
     )
+    p.add_argument(
+        "--stored-activations",
+        choices=["float32", "int8"],
+        default="float32",
+        help="what stored / int4 weights multiply (model.stored_activations; "
+        "configs/embedded-cpu.yaml serves int8)",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
@@ -82,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             args.dtype,
             threads=args.threads,
             quantization=args.quantization,
+            stored_activations=args.stored_activations,
         )
         drafter = None
         if args.drafter != "none":
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 args.dtype,
                 role="drafter",
                 quantization=args.drafter_quantization,
+                stored_activations=args.stored_activations,
             )
         if random_ids is not None and random_ids[0] >= target.vocab_size:
             raise ValueError(

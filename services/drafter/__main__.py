@@ -114,7 +114,7 @@ def _eagle(model: str, args: argparse.Namespace, settings: Settings) -> Drafter:
 
 def _beam(model: str, args: argparse.Namespace, settings: Settings) -> Drafter:
     """A draft model behind beam search."""
-    from adaserve.engine_build import report_backend
+    from adaserve.engine_build import report_backend, report_quantization
     from adaserve.model.loader import load_runner
     from adaserve.speculate import BeamDrafter
 
@@ -137,6 +137,7 @@ def _beam(model: str, args: argparse.Namespace, settings: Settings) -> Drafter:
         attention_backend=args.attention_backend or ms.attention_backend,
     )
     report_backend("drafter", runner)
+    report_quantization("drafter", runner)  # the separate layout's drafter exports it too
     return BeamDrafter(runner)
 
 
