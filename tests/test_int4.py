@@ -147,7 +147,8 @@ def test_settings_resolve_report_and_refuse(model_dir, caplog):
     cpu, f32 = torch.device("cpu"), torch.float32
     assert resolve_quantization("int4", model_dir, cpu, f32, 1, "auto") == "int4"
     # a GPU box runs the same settings file unquantized, and says so
-    assert resolve_quantization("int4", model_dir, torch.device("cuda"), f32, 1, "auto") == "none"
+    for q in ("int4", "int8"):
+        assert resolve_quantization(q, model_dir, torch.device("cuda"), f32, 1, "auto") == "none"
     for args, why in [
         ((cpu, f32, 2, "auto"), "tensor parallelism"),
         ((cpu, torch.bfloat16, 1, "auto"), "float32"),

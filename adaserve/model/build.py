@@ -96,13 +96,10 @@ def build_runner(
         formats = dict(serve_stored(model, source, activations=stored_activations))
     elif quantization == "int4":
         formats = dict(serve_int4(model, activations=stored_activations))
-    elif quantization == "int8" and device.type == "cpu":
+    elif quantization == "int8":  # a CPU's (resolve_quantization: none on a GPU)
         from adaserve.model.quantize import quantize_int8
 
         quantize_int8(model, cpu_kernel)
-    elif quantization == "int8":  # one settings file serves a laptop and a GPU box alike
-        log.info("%s: int8 quantization is for the CPU; on %s it runs in %s", path, device, dtype)
-        quantization = "none"  # reported as what runs
     heads = cfg.num_heads // tp.size
     backend = None
     if device.type == "cpu" and dtype == torch.float32 and tp.size == 1:

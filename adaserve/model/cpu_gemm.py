@@ -63,7 +63,6 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "skinny_gemm.cpp", CSRC / "cpu_ops.cpp")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-# torch's name for the CPU's vector capability -> our build of the kernel for it.
 # avx512vnni: the AVX-512 build with VNNI's one-instruction int8 dot products (simd.h
 # idot), for the int8-activation path; the same bits as avx512's.
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mfma")
@@ -72,6 +71,7 @@ ISA_FLAGS = {
     "avx512": _AVX512,
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
 }
+# torch's name for the CPU's vector capability -> our build of the kernel for it.
 _TORCH_ISA = {"AVX512": "avx512", "AVX2": "avx2"}
 
 

@@ -52,8 +52,6 @@ from adaserve.model.llama import DecoderLayer, LlamaModel
 # model.quantization for a target: `auto` is `stored` for a GGUF target where it runs
 # (one-rank float32 CPU model, packed kernel built), else `none`.
 TARGET_QUANTIZATIONS = ("auto", "none", "stored", "int8", "int4")
-# What a drafter may run as (model.drafter_quantization).
-DRAFTER_QUANTIZATIONS = ("none", "int8", "int4")
 
 log = logging.getLogger("adaserve.model")
 
@@ -76,42 +74,47 @@ def resolve_quantization(
     tp: int,
     cpu_kernel: str,
 ) -> str:
-    """`quantization` with `auto` decided, for a model in `path`; ValueError where
-    `stored` is asked for and cannot run (the message says why)."""
+    """`quantization` with `auto` decided, for a model in `path`, as what will run:
+    `int8` and `int4` on a GPU run unquantized (one settings file serves a laptop and a
+    GPU box alike), so `none`; ValueError where `stored` or `int4` is asked for on a CPU
+    and cannot run (the message says why)."""
     if quantization not in TARGET_QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r} ({' | '.join(TARGET_QUANTIZATIONS)})"
         )
+    if quantization in ("int8", "int4") and device.type != "cpu":
+        log.info(
+            "%s: %s is for the CPU; on %s it runs unquantized", path.name, quantization, device
+        )
+        return "none"
+    if quantization == "int8" or quantization == "none":
+        return quantization
     if quantization == "int4":
-        if device.type != "cpu":  # one settings file serves a laptop and a GPU box alike
-            log.info("%s: int4 runs on the CPU; on %s it runs unquantized", path.name, device)
-            return "none"
-        why = None
-        if tp > 1:
-            why = "tensor parallelism does not shard quantized blocks (use none with tp > 1)"
-        elif dtype != torch.float32:
-            why = f"it runs in float32, not in {dtype}"
-        elif not packed_kernel_available(cpu_kernel):
-            why = "it needs the packed CPU kernel (model.cpu_kernel auto, g++, AVX2 or AVX-512)"
+        why = _blocks_cannot_run(device, dtype, tp, cpu_kernel)
         if why is not None:
             raise ValueError(f"model.quantization int4: {why}")
         return "int4"
-    if quantization not in ("auto", "stored"):
-        return quantization
-    why = None
-    if gguf_source(path) is None:
-        why = "the model is not a GGUF file (a Hugging Face directory: use none or int8)"
-    elif tp > 1:
-        why = "tensor parallelism does not shard quantized blocks (use none with tp > 1)"
-    elif device.type != "cpu" or dtype != torch.float32:
-        why = f"it runs on the CPU in float32, not on {device} in {dtype}"
-    elif not packed_kernel_available(cpu_kernel):
-        why = "it needs the packed CPU kernel (model.cpu_kernel auto, g++, AVX2 or AVX-512)"
+    why = "the model is not a GGUF file (a Hugging Face directory: use none, int8 or int4)"
+    if gguf_source(path) is not None:
+        why = _blocks_cannot_run(device, dtype, tp, cpu_kernel)
     if why is None:
         return "stored"
     if quantization == "stored":
         raise ValueError(f"model.quantization stored: {why}")
     return "none"
+
+
+def _blocks_cannot_run(
+    device: torch.device, dtype: torch.dtype, tp: int, cpu_kernel: str
+) -> str | None:
+    """Why QuantLinear's blocks (stored or int4) cannot serve this model, or None."""
+    if tp > 1:
+        return "tensor parallelism does not shard quantized blocks (use none with tp > 1)"
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"it runs on the CPU in float32, not on {device} in {dtype}"
+    if not packed_kernel_available(cpu_kernel):
+        return "it needs the packed CPU kernel (model.cpu_kernel auto, g++, AVX2 or AVX-512)"
+    return None
 
 
 def _raw(tensor) -> torch.Tensor:
