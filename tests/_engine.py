@@ -45,12 +45,27 @@ def make_engine(target_dir, drafter_dir=None, **overrides) -> Engine:
         scheduler={"budget": 12, **overrides.pop("scheduler", {})},
         **overrides,
     )
-    eng = settings.engine
-    kv = {"kv_blocks": eng.kv_blocks, "prefix_caching": eng.prefix_caching}
-    runner = load_runner(target_dir, device="cpu", dtype="float32", **kv)
+    eng, ms = settings.engine, settings.model
+    kv = {
+        "kv_blocks": eng.kv_blocks,
+        "prefix_caching": eng.prefix_caching,
+        "stored_activations": ms.stored_activations,
+    }
+    runner = load_runner(
+        target_dir, device="cpu", dtype="float32", quantization=ms.quantization, **kv
+    )
     drafter = None
     if drafter_dir is not None:
-        drafter = BeamDrafter(load_runner(drafter_dir, device="cpu", dtype="float32", **kv))
+        drafter = BeamDrafter(
+            load_runner(
+                drafter_dir,
+                device="cpu",
+                dtype="float32",
+                role="drafter",
+                quantization=ms.drafter_quantization,
+                **kv,
+            )
+        )
     return Engine(
         target=RunnerTarget(runner, eos_token_ids=()),
         drafter=drafter,

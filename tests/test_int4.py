@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from adaserve import metrics
 from adaserve.config import load_settings
 from adaserve.engine import Engine
 from adaserve.engine_build import build_drafter, report_quantization
@@ -28,7 +29,7 @@ from adaserve.request import SamplingParams
 from adaserve.runner_target import RunnerTarget
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler
-from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
+from tests._engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
 from tests._kernels import logits_of, needs_kernel
 from tests._spec_loop import generate, random_budget
 from tests._stats import single_thread
@@ -212,3 +213,44 @@ def test_speculation_on_an_int4_target_with_an_int4_drafter_is_lossless(model_di
         sampled, _ = run()
         spec, stats = run(drafter=drafter, depth=3, width=2, budget=random_budget)
         assert spec == sampled and sum(stats.accepted) > 0
+
+
+def test_int4_under_chunked_prefill_preemption_and_prefix_reuse(model_dir):
+    """The int4 target and int4 drafter from the settings, on requests that share a
+    48-token start (the first served alone, so the others find it in the prefix cache;
+    the last resends the first one's history): with ample KV and whole prompts, and with
+    8 KV blocks (the three later requests cannot all hold their KV: preempted and
+    recomputed) and 16-token forwards (prompts prefilled in chunks). Every output is the
+    int4 target's own plain greedy continuation."""
+    start = list(range(10, 58))
+    own = [[3, 4, 5], [9, 9, 9, 9, 9, 9, 9], [200]]
+    with single_thread():
+        plain_target = load_runner(
+            model_dir, device="cpu", kv_blocks=64, quantization="int4", stored_activations="int8"
+        )
+        first = generate(plain_target, {"r0": [*start, *own[0]]}, 20)[0]["r0"]
+        prompts = [[*start, *o] for o in own] + [[*start, *own[0], *first, 11, 12]]
+        later = {f"r{i}": p for i, p in enumerate(prompts) if i}
+        want = {"r0": first[:12], **generate(plain_target, later, 20)[0]}
+        outs, preempted, hits = [], [], []
+        for kv, tokens in ((512, 512), (8, 16)):
+            engine = make_engine(
+                model_dir,
+                model_dir,
+                model={
+                    "quantization": "int4",
+                    "drafter_quantization": "int4",
+                    "stored_activations": "int8",
+                },
+                engine={"kv_blocks": kv, "kv_watermark": 0.0, "max_batch_tokens": tokens},
+                scheduler={"policy": "equal"},
+            )
+            p0, h0 = metrics.preemptions_total._value.get(), metrics.prefix_cache_hits._value.get()
+            out = run_to_completion(engine, [engine.submit(req(0, prompts[0], 12, 1e4))])
+            streams = [engine.submit(req(i, p, 20, 1e4)) for i, p in enumerate(prompts) if i]
+            outs.append({**out["tokens"], **run_to_completion(engine, streams)["tokens"]})
+            preempted.append(metrics.preemptions_total._value.get() - p0)
+            hits.append(metrics.prefix_cache_hits._value.get() - h0)
+            assert engine.target.kv_usage() == 0.0
+    assert all(out == want for out in outs)
+    assert preempted[0] == 0 and preempted[1] > 0 and all(h > 0 for h in hits)
