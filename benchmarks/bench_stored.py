@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
-from adaserve.model import cpu_gemm
+from adaserve.model import cpu_gemm, cpu_layers
 from adaserve.model.loader import load_runner
 from adaserve.model.runner import ModelRunner, SeqInput
 from benchmarks.bench_verify import beam_tree, time_forward
@@ -44,8 +44,11 @@ CONFIGS = {
 
 
 def use_isa(runner: ModelRunner, isa: str) -> None:
-    """Point every packed linear layer of `runner` at the `isa` build of the kernel."""
+    """Point every packed linear layer of `runner`, and its fused decoder layers
+    (cpu_layers.py), at the `isa` build of the kernel."""
     lib = cpu_gemm.kernel(isa)
+    if runner.model.cpu_layers is not None:
+        runner.model.cpu_layers = cpu_layers.fuse(runner.model, isa)
     for m in runner.model.modules():
         if isinstance(m, cpu_gemm.QuantLinear):
             i8 = m.activations == "int8"

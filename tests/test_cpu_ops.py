@@ -14,20 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaserve.model import cpu_gemm, cpu_ops
+from adaserve.model import cpu_ops
 from adaserve.model.attention import AttentionBatch, ReferenceBackend
 from adaserve.model.kv_cache import KVStorage, PagedKVCache
 from adaserve.model.layers import RMSNorm
 from adaserve.model.loader import load_runner
 from tests._attention_trees import random_qkv, random_tree_batch
+from tests._kernels import needs_kernel
 from tests.conftest import make_tiny_model
 
-try:
-    cpu_gemm.kernel()
-    WHY = None
-except (cpu_gemm.KernelUnavailable, OSError) as exc:
-    WHY = str(exc)
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU library unavailable: {WHY}")
+pytestmark = needs_kernel
 
 CPU = torch.device("cpu")
 

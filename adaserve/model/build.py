@@ -103,7 +103,7 @@ def build_runner(
     heads = cfg.num_heads // tp.size
     backend = None
     if device.type == "cpu" and dtype == torch.float32 and tp.size == 1:
-        from adaserve.model import cpu_ops
+        from adaserve.model import cpu_layers, cpu_ops
         from adaserve.model.cpu_gemm import pack_linears, packed_kernel_available
 
         pack_linears(model, cpu_kernel)
@@ -111,6 +111,7 @@ def build_runner(
             cpu_ops.swap_norms(model)
             if attention_backend == "auto" and cpu_ops.supports(heads, kv_heads, cfg.head_dim):
                 backend = cpu_ops.CpuTreeBackend(heads, kv_heads, cfg.head_dim)
+                model.cpu_layers = cpu_layers.fuse(model)
     storage = KVStorage(
         cfg.num_layers, kv_blocks, kv_block_size, kv_heads, cfg.head_dim, dtype, device
     )

@@ -58,6 +58,20 @@ class CpuTreeMetadata:
     q_max: int
     kv_max: int
 
+    def pointers(self) -> tuple[int | None, ...]:
+        """The library's attention arguments from slot_mapping to q_max, in its order."""
+        visible = None if self.visible is None else self.visible.data_ptr()
+        return (
+            self.slot_mapping.data_ptr(),
+            self.q_seq.data_ptr(),
+            self.q_row.data_ptr(),
+            self.kv_slots.data_ptr(),
+            self.kv_len.data_ptr(),
+            self.kv_max,
+            visible,
+            self.q_max,
+        )
+
 
 class CpuTreeBackend:
     """Tree attention over the paged cache in one library call per layer (fp32 CPU)."""
@@ -126,14 +140,7 @@ class CpuTreeBackend:
             self.num_kv_heads,
             kv_new.data_ptr(),
             kv_new.stride(0),
-            meta.slot_mapping.data_ptr(),
-            meta.q_seq.data_ptr(),
-            meta.q_row.data_ptr(),
-            meta.kv_slots.data_ptr(),
-            meta.kv_len.data_ptr(),
-            meta.kv_max,
-            None if meta.visible is None else meta.visible.data_ptr(),
-            meta.q_max,
+            *meta.pointers(),
             self.scale,
             out.data_ptr(),
             _threads(),

@@ -29,8 +29,9 @@ from adaserve.model.layers import (
 )
 from adaserve.model.weights import WeightSource
 
-if TYPE_CHECKING:  # cpu_gemm imports this module
+if TYPE_CHECKING:  # cpu_gemm and cpu_layers import this module
     from adaserve.model.cpu_gemm import PackedEmbedding, QuantEmbedding
+    from adaserve.model.cpu_layers import CpuLayers
 
 
 class Attention(nn.Module):
@@ -146,6 +147,9 @@ class LlamaModel(nn.Module):
             device,
         )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, dtype, device)
+        # Every layer in one library call, where build.py put the whole stack on the
+        # CPU library (cpu_layers.py); None: module by module.
+        self.cpu_layers: CpuLayers | None = None
 
     def forward(
         self,
@@ -175,6 +179,23 @@ class LlamaModel(nn.Module):
         EAGLE head reads them, adaserve/model/eagle.py); None when none are asked."""
         x = self.embed(ids)
         rope = self.rotary.tables(positions)
+        if self.cpu_layers is not None and self.cpu_layers.takes(meta):
+            x, feats = self.cpu_layers.run(x, rope[0], kv, meta, feature_layers)
+        else:
+            x, feats = self._layers(x, rope, backend, kv, meta, feature_layers)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
+        return self.lm_head(self.norm(x)), feats
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        backend: AttentionBackend,
+        kv: KVStorage,
+        meta: Any,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         want = {int(i): k for k, i in enumerate(feature_layers)}
         taken: list[torch.Tensor | None] = [None] * len(want)
         for i, layer in enumerate(self.layers):
@@ -186,9 +207,7 @@ class LlamaModel(nn.Module):
             if any(t is None for t in taken):
                 raise ValueError(f"feature layers {list(feature_layers)} not all in this model")
             feats = torch.cat([t for t in taken if t is not None], dim=-1)
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows)
-        return self.lm_head(self.norm(x)), feats
+        return x, feats
 
     @torch.no_grad()
     def load_weights(self, src: WeightSource) -> None:

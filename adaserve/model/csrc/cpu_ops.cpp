@@ -27,12 +27,6 @@ constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;  // floats
 constexpr int64_t kAhead = 8;         // keys ahead to prefetch
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  vec acc = vzero();
-  for (int64_t i = 0; i < d; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-  return vsum(acc);
-}
-
 // out[i] = out[i] * c + p * v[i]
 inline void scale_add(float* out, float c, float p, const float* v, int64_t d) {
   const vec cv = vset1(c), pv = vset1(p);
@@ -232,14 +226,94 @@ extern "C" int adaserve_tree_attention(const float* q, int64_t ldq, int64_t T, i
   return 0;
 }
 
-// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for T rows of D floats (D a multiple of
-// the vector width; the caller checks).
+// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for T rows of D floats (the caller checks
+// D).
+// The sum of squares runs in 16 fixed lanes (element i in lane i % 16) on both builds,
+// so the norm has the same bits on AVX2 and AVX-512, as the linear layers do (D a
+// multiple of 16).
 extern "C" void adaserve_rms_norm(const float* x, int64_t T, int64_t D, const float* w,
                                   float eps, float* y) {
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = x + t * D;
-    const float r = 1.0f / sqrtf(dot(xt, xt, D) / (float)D + eps);
+    vec acc[kWide];
+    for (int w = 0; w < kWide; ++w) acc[w] = vzero();
+    for (int64_t i = 0; i < D; i += 16)
+      for (int w = 0; w < kWide; ++w) {
+        const vec v = vload(xt + i + w * kLanes);
+        acc[w] = vfma(v, v, acc[w]);
+      }
+    const float r = 1.0f / sqrtf(vsum_wide(acc) / (float)D + eps);
     const vec rv = vset1(r);
     for (int64_t i = 0; i < D; i += kLanes) vstore(y + t * D + i, vmul(vmul(vload(xt + i), rv), vload(w + i)));
   }
+}
+
+namespace {
+
+// IEEE half -> float, exactly (every half is a float).
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal half: normal as a float
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 1024) == 0);
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 1023) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+// The dequantized weights of output columns cols[0 .. n) of a quantized layer's packed
+// blocks (cpu_gemm.py's pack_gguf layout, or pack_gguf_i8's with i8), float32 [n,
+// groups * 32]: ggml's own arithmetic (q * d, (q - 8) * d, q * d + m in float32), the
+// values unpack_gguf_columns gives, for an embedding lookup of one decode step's
+// tokens without its ~20 torch ops. format: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0). Returns -1,
+// writing nothing, where a column is not in [0, N).
+extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t groups,
+                                      int64_t group_bytes, int format, int i8,
+                                      const int64_t* cols, int64_t n, float* out) {
+  constexpr int64_t kBlock = 32, kHalf = 16;
+  for (int64_t i = 0; i < n; ++i)
+    if (cols[i] < 0 || cols[i] >= N) return -1;
+  const bool has_min = format == 3;
+  const int64_t qoff = (has_min ? 4 : 2) * kBlock;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = cols[i] % kBlock;
+    const uint8_t* blk = packed + cols[i] / kBlock * groups * group_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = blk + g * group_bytes;
+      uint16_t hd, hm = 0;
+      memcpy(&hd, p + 2 * c, 2);
+      if (has_min) memcpy(&hm, p + 2 * kBlock + 2 * c, 2);
+      const float d = half_to_float(hd), m = half_to_float(hm);
+      const uint8_t* q = p + qoff;
+      float* o = out + i * groups * kBlock + g * kBlock;
+      for (int64_t f = 0; f < kBlock; ++f) {
+        int v;
+        if (format == 8) {  // i8: [quad, col, 4]; else [feature, col]
+          v = (int8_t)(i8 ? q[(f / 4) * kBlock * 4 + c * 4 + f % 4] : q[f * kBlock + c]);
+        } else {  // nibbles: low for columns 0-15, high for 16-31
+          const uint8_t b = i8 ? q[(f / 4) * kHalf * 4 + (c % kHalf) * 4 + f % 4]
+                               : q[f * kHalf + c % kHalf];
+          v = c < kHalf ? (b & 15) : (b >> 4);
+          if (format == 2) v -= 8;
+        }
+        o[f] = has_min ? (float)v * d + m : (float)v * d;
+      }
+    }
+  }
+  return 0;
 }

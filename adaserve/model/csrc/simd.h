@@ -25,6 +25,7 @@ inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
@@ -106,6 +107,7 @@ inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vload(const int8_t* p) {
