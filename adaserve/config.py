@@ -148,6 +148,13 @@ class SchedulerSettings(BaseModel):
     # the drafter does not ingest their prompts, unless one is behind its SLO
     # (engine/admission.py relaxed). True: every request is drafted for, as before.
     draft_relaxed: bool = False
+    # With a scheduler service (services.scheduler): `auto` sends a Select to it only
+    # while it answers sooner than selecting in-process does (both measured, adaserve/
+    # fallback.py). The engine waits for the answer either way, so a remote selection
+    # saves time only where its compute saves more than the call costs (a large batch
+    # beside a busy verifier host); on one host it never does (BENCHMARKS.md, "Peers").
+    # `always`: every Select goes to the service (to watch it, or to test it).
+    remote_select: Literal["auto", "always"] = "auto"
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
 

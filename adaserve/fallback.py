@@ -27,6 +27,8 @@ from adaserve.tree import CandidateTree, TreeBatch
 log = logging.getLogger("adaserve.engine")
 
 RETRY_S = 1.0  # a failed drafter is not asked again sooner: no timeout every iteration
+# Selections between measurements of the scheduler not in use (remote_select auto).
+PROBE_EVERY = 64
 MAX_QUEUED_RELEASES = 100_000  # ids, a few MB at most
 
 
@@ -157,14 +159,25 @@ class FallbackDrafter:
 
 class FallbackScheduler:
     """A scheduler that never raises: failures select in-process, and a background
-    probe (`plan(1)` once a second) brings the remote one back."""
+    probe (`plan(1)` once a second) brings the remote one back.
 
-    def __init__(self, scheduler: Scheduler, local: LocalScheduler) -> None:
+    With `remote_select="auto"` a remote scheduler answers only while it is the faster
+    way: the engine waits for a Select wherever it runs, so the call's transport is
+    iteration time unless the remote compute saves more. The time of each side is a
+    moving average of what the engine waited for it; the side not in use is measured
+    again every PROBE_EVERY selections, so a change in either shows."""
+
+    def __init__(
+        self, scheduler: Scheduler, local: LocalScheduler, remote_select: str = "always"
+    ) -> None:
         self.inner = scheduler
         self.local = local
         self.healthy = True
         self._remote = not isinstance(scheduler, LocalScheduler)
+        self._always = remote_select == "always"
         self._stopped = threading.Event()
+        self._ms: dict[str, float] = {}  # "remote" / "local" -> moving average wait
+        self._calls = 0
 
     def plan(self, n: int) -> tuple[int, int]:
         return self.local.plan(n)
@@ -175,18 +188,51 @@ class FallbackScheduler:
         trees: Sequence[CandidateTree] | TreeBatch,
         params: SelectionParams,
     ) -> Selection:
-        if self.healthy:
+        if not self._remote:
+            return self.inner.select(requests, trees, params)
+        if self.healthy and self._use_remote():
+            t0 = time.perf_counter()
             try:
                 selection = self.inner.select(requests, trees, params)
                 # Answers from another process are checked; our own selection is not
                 # re-validated on the hot path (it is tested against a reference).
-                if self._remote and not selection.invalid:  # invalid: no nodes to check
+                if not selection.invalid:  # invalid: no nodes to check
                     given = trees.trees() if isinstance(trees, TreeBatch) else trees
                     check_selection(selection.selected, given)
+                self._observe("remote", t0)
                 return selection
             except Exception as exc:
                 self._failed(exc)
-        return self.local.select(requests, trees, params)
+        t0 = time.perf_counter()
+        selection = self.local.select(requests, trees, params)
+        if self.healthy:
+            self._observe("local", t0)
+        return selection
+
+    @property
+    def remote_in_use(self) -> bool:
+        """Whether Selects go to the remote scheduler now (metrics, stats)."""
+        if not (self._remote and self.healthy):
+            return False
+        if self._always or len(self._ms) < 2:
+            return True
+        return self._ms["remote"] <= self._ms["local"]
+
+    def _use_remote(self) -> bool:
+        if self._always or "remote" not in self._ms:
+            return True
+        if "local" not in self._ms:
+            return False
+        self._calls += 1
+        preferred = self._ms["remote"] <= self._ms["local"]
+        return preferred != (self._calls % PROBE_EVERY == 0)  # now and then the other
+
+    def _observe(self, side: str, t0: float) -> None:
+        ms = (time.perf_counter() - t0) * 1000.0
+        self._ms[side] = (
+            ms if side not in self._ms else self._ms[side] + 0.2 * (ms - self._ms[side])
+        )
+        metrics.selections_total.labels(side).inc()
 
     def stop(self) -> None:
         self._stopped.set()

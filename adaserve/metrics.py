@@ -84,6 +84,13 @@ batch_size = Histogram(
     "Requests per decode iteration",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+selections_total = Counter(
+    "adaserve_selections_total",
+    "Tree selections by where they ran: the scheduler service (remote) or in-process "
+    "(local, with a scheduler service configured: scheduler.remote_select auto found it "
+    "faster, or a probe of the service)",
+    ["where"],
+)
 fallbacks_total = Counter(
     "adaserve_fallbacks_total",
     "Iterations that fell back (drafter: plain decoding; scheduler: in-process selection)",

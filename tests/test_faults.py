@@ -47,6 +47,10 @@ engine:
   max_queue: 16
   speculation_timeout_ms: 200
   scheduler_timeout_ms: 200
+scheduler:
+  # every Select to the service, so that killing it shows (auto would select here,
+  # where that is faster, and meet the dead service only on a probe)
+  remote_select: always
 slo:
   baseline_tpot_ms: 20.0
 """

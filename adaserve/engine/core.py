@@ -132,7 +132,9 @@ class Engine:
         self.quantization = quantization
         self.pool = RequestPool()
         self.local_scheduler = LocalScheduler(settings.scheduler)
-        self.scheduler = FallbackScheduler(scheduler, self.local_scheduler)
+        self.scheduler = FallbackScheduler(
+            scheduler, self.local_scheduler, settings.scheduler.remote_select
+        )
         self.drafter = self._wrap(drafter)
         self.ngram = self._wrap(ngram)
         self._wire_drafter(drafter)

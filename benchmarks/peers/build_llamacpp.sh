@@ -15,6 +15,37 @@ VERSION="${1:-${LLAMA_CPP_PYTHON_VERSION:-0.3.36}}"
 JOBS="${JOBS:-2}"
 PYTHON="${PYTHON:-python3}"
 CACHE="${ADASERVE_CACHE_DIR:-$HOME/.cache/adaserve}/peers/llama.cpp-${VERSION}"
+
+# GGML_NATIVE compiles ggml's AMX matmul wherever the CPU reports AMX, but some VMs
+# report it and fault on the first tile instruction (a 2-core Xeon here: llama-server
+# died with SIGSEGV in ggml_backend_amx_mul_mat at load). Run one tile instruction; if
+# it faults, build without AMX (the AVX-512 path, what the CPU can run) in its own cache.
+NATIVE_FLAGS=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    PROBE="$(mktemp -d)"
+    cat >"$PROBE/amx.c" <<'CEOF'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char cfg[64];
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 2;
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1, cfg[16] = 64, cfg[48] = 16; /* palette 1, tile 0: 16 rows x 64 bytes */
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+CEOF
+    if ! { cc -O2 -mamx-tile "$PROBE/amx.c" -o "$PROBE/amx" && "$PROBE/amx"; } >/dev/null 2>&1; then
+        NATIVE_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        CACHE="$CACHE-noamx"
+        echo "build_llamacpp: the CPU reports AMX but a tile instruction faults: building without AMX" >&2
+    fi
+    rm -rf "$PROBE"
+fi
 BIN="$CACHE/bin/llama-server"
 
 if [[ -x "$BIN" ]]; then
@@ -43,6 +74,8 @@ cmake -S "$SRC" -B "$CACHE/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_SERVER=ON \
     -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NATIVE_FLAGS" \
+    -DCMAKE_CXX_FLAGS="$NATIVE_FLAGS" \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_CURL=OFF \

@@ -84,7 +84,10 @@ def cache_dir() -> Path:
 
 
 def llama_server_path(version: str) -> Path:
-    return cache_dir() / "peers" / f"llama.cpp-{version}" / "bin" / "llama-server"
+    """build_llamacpp.sh's binary: the build without AMX where this CPU faults on it."""
+    peers = cache_dir() / "peers"
+    noamx = peers / f"llama.cpp-{version}-noamx" / "bin" / "llama-server"
+    return noamx if noamx.is_file() else peers / f"llama.cpp-{version}" / "bin" / "llama-server"
 
 
 def machine() -> dict:
