@@ -73,6 +73,7 @@ def write_config(args: argparse.Namespace) -> Path:
     cfg = {
         "scheduler": {
             "budget": args.budget,
+            "remote_select": "always",  # the Select call is what is measured
             "adaptive": {
                 "policy": "fixed",
                 "fixed_depth": args.depth,

@@ -197,6 +197,9 @@ def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Unit]:
         engine={"kv_memory_gb": 0.05, "max_running": 8, "max_queue": 16}
         | {"speculation_timeout_ms": 5000, "scheduler_timeout_ms": 5000},
         slo={"baseline_tpot_ms": 20.0},
+        # every Select to the hostile service (auto would select in-process, where that
+        # is faster, and meet its answers only on a probe)
+        scheduler={"remote_select": "always"},
     )
     engine = build_engine(settings)
     engine.start()

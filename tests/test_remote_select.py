@@ -21,7 +21,7 @@ from adaserve.tree import CandidateTree, TreeBatch
 from services.common.server import BackgroundServer
 from services.scheduler.client import GrpcScheduler
 from services.scheduler.server import build_server
-from tests.test_scheduler_service import assert_same_selection, random_batch
+from tests._selection import assert_same_selection, random_batch
 
 DELAY_S = 0.02  # far more than a 5-request selection takes on any host
 
