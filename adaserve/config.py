@@ -117,6 +117,9 @@ class AdaptiveSettings(BaseModel):
     draft_stop_prob: float | None = Field(default=None, gt=0.0, lt=1.0)
 
 
+RemoteSelect = Literal["auto", "always"]  # scheduler.remote_select
+
+
 class SchedulerSettings(BaseModel):
     budget: PositiveInt = 16  # verifier tokens per iteration (knee of the latency curve)
     # paper: Algorithm 2 exactly; adaserve: with triage and a marginal-value stop
@@ -154,7 +157,7 @@ class SchedulerSettings(BaseModel):
     # saves time only where its compute saves more than the call costs (a large batch
     # beside a busy verifier host); on one host it never does (BENCHMARKS.md, "Peers").
     # `always`: every Select goes to the service (to watch it, or to test it).
-    remote_select: Literal["auto", "always"] = "auto"
+    remote_select: RemoteSelect = "auto"
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
 

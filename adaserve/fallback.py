@@ -19,7 +19,9 @@ import numpy as np
 
 from adaserve import metrics
 from adaserve.checks import check_selection, check_trees
+from adaserve.config import RemoteSelect
 from adaserve.drafter import Drafter, DrafterStateLost, DraftUpdate
+from adaserve.latency import ewma
 from adaserve.scheduler import LocalScheduler, Scheduler
 from adaserve.selection import RequestProgress, Selection, SelectionParams
 from adaserve.tree import CandidateTree, TreeBatch
@@ -27,8 +29,11 @@ from adaserve.tree import CandidateTree, TreeBatch
 log = logging.getLogger("adaserve.engine")
 
 RETRY_S = 1.0  # a failed drafter is not asked again sooner: no timeout every iteration
-# Selections between measurements of the scheduler not in use (remote_select auto).
+# Selections between measurements of the scheduler not in use (remote_select auto), and
+# the weight of each new wait in a side's moving average.
 PROBE_EVERY = 64
+MS_ALPHA = 0.2
+SIDES = ("remote", "local")
 MAX_QUEUED_RELEASES = 100_000  # ids, a few MB at most
 
 
@@ -168,7 +173,7 @@ class FallbackScheduler:
     again every PROBE_EVERY selections, so a change in either shows."""
 
     def __init__(
-        self, scheduler: Scheduler, local: LocalScheduler, remote_select: str = "always"
+        self, scheduler: Scheduler, local: LocalScheduler, remote_select: RemoteSelect
     ) -> None:
         self.inner = scheduler
         self.local = local
@@ -177,6 +182,7 @@ class FallbackScheduler:
         self._always = remote_select == "always"
         self._stopped = threading.Event()
         self._ms: dict[str, float] = {}  # "remote" / "local" -> moving average wait
+        self._counted = {side: metrics.selections_total.labels(side) for side in SIDES}
         self._calls = 0
 
     def plan(self, n: int) -> tuple[int, int]:
@@ -211,28 +217,24 @@ class FallbackScheduler:
 
     @property
     def remote_in_use(self) -> bool:
-        """Whether Selects go to the remote scheduler now (metrics, stats)."""
-        if not (self._remote and self.healthy):
-            return False
-        if self._always or len(self._ms) < 2:
-            return True
-        return self._ms["remote"] <= self._ms["local"]
+        """Whether Selects go to the remote scheduler now (probes aside)."""
+        return self._remote and self.healthy and self._prefers_remote()
+
+    def _prefers_remote(self) -> bool:
+        return self._always or len(self._ms) < 2 or self._ms["remote"] <= self._ms["local"]
 
     def _use_remote(self) -> bool:
-        if self._always or "remote" not in self._ms:
+        if self._always:
             return True
-        if "local" not in self._ms:
-            return False
+        if len(self._ms) < 2:  # each side measured once, the remote first
+            return "remote" not in self._ms
         self._calls += 1
-        preferred = self._ms["remote"] <= self._ms["local"]
-        return preferred != (self._calls % PROBE_EVERY == 0)  # now and then the other
+        return self._prefers_remote() != (self._calls % PROBE_EVERY == 0)  # now and then the other
 
     def _observe(self, side: str, t0: float) -> None:
         ms = (time.perf_counter() - t0) * 1000.0
-        self._ms[side] = (
-            ms if side not in self._ms else self._ms[side] + 0.2 * (ms - self._ms[side])
-        )
-        metrics.selections_total.labels(side).inc()
+        self._ms[side] = ewma(self._ms.get(side, ms), ms, MS_ALPHA)
+        self._counted[side].inc()
 
     def stop(self) -> None:
         self._stopped.set()

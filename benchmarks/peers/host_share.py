@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 import time
 import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # benchmarks._server, benchmarks.peers.run from any directory
@@ -42,16 +43,20 @@ from benchmarks.peers.run import decode_round, prompt_ids  # noqa: E402
 
 PHASES = ("host", "speculate", "select", "verify")
 LAYOUTS = {"aio": ["--all-in-one"], "separate": []}
-_SAMPLE = re.compile(r'^adaserve_iteration_seconds_(sum|count)\{phase="(\w+)"\} (\S+)$')
 
 
 def parse(text: str) -> dict[str, float]:
     """Prometheus text -> {phase: seconds summed, `count:phase`: iterations observed}."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if m := _SAMPLE.match(line):
-            kind, phase, value = m.groups()
-            out[phase if kind == "sum" else f"count:{phase}"] = float(value)
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "adaserve_iteration_seconds":
+            continue
+        for sample in fam.samples:
+            phase = sample.labels.get("phase", "")
+            if sample.name.endswith("_sum"):
+                out[phase] = sample.value
+            elif sample.name.endswith("_count"):
+                out[f"count:{phase}"] = sample.value
     return out
 
 
@@ -97,12 +102,9 @@ def table(results: dict) -> str:
         "| verify | control plane |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    aio = results["layouts"].get("aio", {})
     for name, by_c in results["layouts"].items():
         for c, r in by_c.items():
             ms = r["ms_per_iteration"]
-            ref = aio[c]["ms_per_iteration"] if name != "aio" and c in aio else None
-            r["control_share"] = control_share(ms, ref)
             rows.append(
                 f"| {name} | {c} | {r['tok_s']:.1f} | {r['tokens_per_iteration']:.2f} | "
                 + " | ".join(f"{ms[p]:.2f}" for p in PHASES)
@@ -143,6 +145,11 @@ def main() -> None:
                 print(f"  {name} @ {c}: {r['tok_s']:.1f} tok/s", flush=True)
         finally:
             stop_up(proc)
+    aio = results["layouts"].get("aio", {})
+    for name, by_c in results["layouts"].items():
+        for c, r in by_c.items():
+            ref = aio[c]["ms_per_iteration"] if name != "aio" and c in aio else None
+            r["control_share"] = control_share(r["ms_per_iteration"], ref)
     md = table(results)
     (out / "host_share.md").write_text(md)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
