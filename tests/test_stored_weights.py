@@ -1,7 +1,7 @@
 """A GGUF target served at its stored precision (`model.quantization: stored`,
 adaserve/model/stored.py, QuantLinear in cpu_gemm.py), on the real embedded SmolLM2
-file (Q4_1 layers, a Q8_0 tied embedding) and on Q4_0 blocks quantized by the `gguf`
-package: the kernel's products are within float32 accumulation error of a float64
+file (Q4_1 layers, a Q8_0 tied embedding), on Q4_0 blocks quantized by the `gguf`
+package and on random Q4_K super-blocks: the kernel's products are within float32 accumulation error of a float64
 matmul of the `gguf` package's own dequantization, a row's result is the same bits
 whatever rows are beside it and on either build, the model's logits are those of the
 float32 (`none`) model, and speculation on it emits the stored target's own greedy
@@ -44,7 +44,8 @@ ROWS = [1, 3, 5, 8, 16, 37]
 def gguf_tensors() -> dict[str, tuple[torch.Tensor, int, np.ndarray]]:
     """name -> (raw blocks uint8 [out, bytes], ggml type, float32 [out, in] from the
     gguf package's dequantize): three real tensors (the token embedding cut to 2000
-    rows) and a Q4_0 one quantized here (the file holds none)."""
+    rows), a Q4_0 one quantized here and a Q4_K one of random blocks (the file holds
+    neither)."""
     reader = GGUFReader(embedded_gguf())
     found = {t.name: t for t in reader.tensors}
     out = {}
@@ -62,7 +63,27 @@ def gguf_tensors() -> dict[str, tuple[torch.Tensor, int, np.ndarray]]:
     raw = quantize(w, GGMLQuantizationType.Q4_0)
     deq = dequantize(raw, GGMLQuantizationType.Q4_0).astype(np.float32)
     out["q4_0"] = (torch.from_numpy(raw), int(GGMLQuantizationType.Q4_0), deq)
+    out["q4_k"] = _random_q4_k(rng, 77, 512)
     return out
+
+
+def _random_q4_k(
+    rng: np.random.Generator, rows: int, k: int
+) -> tuple[torch.Tensor, int, np.ndarray]:
+    """Q4_K super-blocks of random bytes (the `gguf` package dequantizes Q4_K but does
+    not quantize it): any 6-bit scales and minimums, any quants, float16 d ~1e-3 and
+    dmin ~4e-3. Weight 0 of every 32-weight sub-block is q = 0, so each sub-block's
+    minimum is one of its weights, as a quantizer's is (int8_activation_bound's premise)."""
+    kind = GGMLQuantizationType.Q4_K
+    blocks = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)
+    d = (rng.uniform(0.5, 2.0, (rows, k // 256, 1)) / 1024).astype(np.float16)
+    dmin = (rng.uniform(0.5, 2.0, (rows, k // 256, 1)) / 256).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8)
+    blocks[..., 2:4] = dmin.view(np.uint8)
+    blocks[..., 16::32] = 0  # byte 0 of each quant chunk: weight 0 of two sub-blocks
+    raw = blocks.reshape(rows, -1)
+    deq = dequantize(raw, kind).astype(np.float32).reshape(rows, k)
+    return torch.from_numpy(raw), int(kind), deq
 
 
 def test_the_file_holds_what_the_kernel_serves(gguf_tensors):
@@ -72,12 +93,13 @@ def test_the_file_holds_what_the_kernel_serves(gguf_tensors):
         "blk.7.ffn_down.weight": "Q4_1",
         "token_embd.weight": "Q8_0",
         "q4_0": "Q4_0",
+        "q4_k": "Q4_K",
     }
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
-    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0"]
+    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k"]
 )
 def test_products_match_a_float64_matmul_of_the_dequantized_weights(gguf_tensors, name, isa):
     """Dequantization is exact, so the only error is float32 accumulation: per output
@@ -124,7 +146,7 @@ def int8_activation_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
-    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0"]
+    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k"]
 )
 def test_int8_activation_products_are_within_the_derived_bound(gguf_tensors, name, isa):
     """Against a float64 matmul of the `gguf` package's dequantization and the exact
@@ -148,7 +170,7 @@ def test_int8_activation_products_are_within_the_derived_bound(gguf_tensors, nam
 
 @pytest.mark.parametrize("activations", cpu_gemm.ACTIVATIONS)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", ["blk.7.ffn_down.weight", "token_embd.weight", "q4_0"])
+@pytest.mark.parametrize("name", ["blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k"])
 def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it(
     gguf_tensors, name, isa, activations
 ):
@@ -169,7 +191,7 @@ def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it(
 
 @pytest.mark.skipif(len(RUNNABLE) < 2, reason="needs a CPU that runs both builds (AVX-512)")
 @pytest.mark.parametrize("activations", cpu_gemm.ACTIVATIONS)
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0"])
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0", "q4_k"])
 def test_every_build_gives_the_avx2_builds_bits(gguf_tensors, name, activations):
     raw, kind, w = gguf_tensors[name]
     b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(1))
@@ -182,11 +204,16 @@ def test_every_build_gives_the_avx2_builds_bits(gguf_tensors, name, activations)
 
 
 @pytest.mark.parametrize("activations", cpu_gemm.ACTIVATIONS)
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0"])
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0", "q4_k"])
 def test_columns_and_embedding_lookups_are_the_gguf_values(gguf_tensors, name, activations):
     raw, kind, w = gguf_tensors[name]
     layer = QuantLinear(raw, kind, w.shape[1], activations=activations)
-    assert layer.packed.nbytes < raw.nbytes * 1.01 + 32 * 64  # the blocks, not float32
+    # The blocks and nothing else, for whole blocks of 32 columns (Q4_K's with float32
+    # scales: 24 bytes per 32 weights where the file has 18), not float32.
+    out, k = w.shape
+    padded = -(-out // 32) * 32
+    assert layer.packed.nbytes == padded * (k // 32) * cpu_gemm.GGML_TYPES[kind][1]
+    assert layer.packed.nbytes < padded * k * 4 / 3  # under a third of float32
     ids = torch.tensor([[0, 5, w.shape[0] - 1], [16, 31, 32]])
     got = QuantEmbedding(layer)(ids)
     assert torch.equal(got, torch.from_numpy(w)[ids])
@@ -437,3 +464,88 @@ def test_speculation_on_the_stored_target_is_lossless(stored):
         spec, stats = run(drafter=BeamDrafter(draft), depth=3, width=2, budget=random_budget)
         assert spec == plain and sum(stats.accepted) > 0
         assert stored.kv_usage() == 0.0 and draft.kv_usage() == 0.0
+
+
+def _q4_k_quantize(w: np.ndarray) -> np.ndarray:
+    """Float32 [rows, k] as Q4_K super-blocks, uint8 [rows, k / 256 * 144]: per 32-weight
+    sub-block a scale and minimum from its range, both as 6-bit multiples of the
+    super-block's float16 d and dmin (a plain quantizer, not llama.cpp's search; any
+    valid blocks do here)."""
+    rows, k = w.shape
+    sub = w.reshape(rows, k // 256, 8, 32).astype(np.float64)
+    lo = np.minimum(sub.min(-1), 0.0)  # [r, s, 8]
+    step = np.maximum(sub.max(-1) - lo, 1e-8) / 15
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (np.maximum(-lo.min(-1, keepdims=True), 1e-8) / 63).astype(np.float16)
+    sc = np.clip(np.ceil(step / d.astype(np.float64)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / dmin.astype(np.float64)), 0, 63).astype(np.uint8)
+    scale = (d.astype(np.float32) * sc)[..., None].astype(np.float64)
+    offset = (dmin.astype(np.float32) * mn)[..., None].astype(np.float64)
+    q = np.clip(np.round((sub + offset) / scale), 0, 15).astype(np.uint8)  # [r, s, 8, 32]
+    scales = np.empty((rows, k // 256, 12), np.uint8)
+    scales[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    qs = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # chunk c: sub-block 2c low, 2c + 1 high
+    blocks = np.concatenate(
+        [d.view(np.uint8), dmin.view(np.uint8), scales, qs.reshape(rows, k // 256, 128)], -1
+    )
+    return blocks.reshape(rows, -1)
+
+
+def _with_q4_k_down_projections(src: Path, dst: Path) -> int:
+    """A copy of the GGUF at `src` whose ffn_down tensors (1536 input features, a
+    multiple of 256) are re-quantized to Q4_K; returns how many."""
+    import gguf
+
+    reader = GGUFReader(src)
+    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    data = {}
+    for t in reader.tensors:
+        raw, kind = np.array(t.data), t.tensor_type
+        if t.name.endswith("ffn_down.weight"):
+            w = dequantize(raw, kind).astype(np.float32).reshape(raw.shape[0], -1)
+            raw, kind = _q4_k_quantize(w), GGMLQuantizationType.Q4_K
+        data[t.name] = raw
+        writer.add_tensor_info(t.name, raw.shape, raw.dtype, raw.nbytes, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(data[t.name])
+    writer.close()
+    return sum(name.endswith("ffn_down.weight") for name in data)
+
+
+@pytest.mark.slow
+def test_a_q4_k_files_layers_are_served_as_stored(tmp_path, monkeypatch):
+    """A GGUF with Q4_K tensors (the embedded file, its down projections re-quantized
+    to Q4_K here): they are served as stored beside the Q4_1 ones, checked at load
+    against the conversion, and with float32 activations the logits are the float32
+    (`none`) model's of that file bit for bit."""
+    monkeypatch.setenv("ADASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = embedded_gguf()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    n = _with_q4_k_down_projections(src, model_dir / src.name)
+    assert n == 30
+    with single_thread():
+        stored_runner = load_runner(
+            str(model_dir / src.name),
+            device="cpu",
+            kv_blocks=64,
+            quantization="stored",
+            stored_activations="float32",
+        )
+        none_runner = load_runner(
+            str(model_dir / src.name), device="cpu", kv_blocks=64, quantization="none"
+        )
+        assert stored_runner.weight_formats == {"Q4_1": 90, "Q4_K": 30, "Q8_0": 1}
+        assert torch.equal(logits_of(stored_runner, PROMPT), logits_of(none_runner, PROMPT))

@@ -16,10 +16,11 @@ order) for any number of rows and on either build, so a token's logits do not de
 on the tree verified beside it. The result differs from MKL's in the last bits
 (another summation order), as any two BLAS do.
 
-The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (`QuantLinear`,
-`model.quantization: stored`, stored.py): blocks repacked at load, dequantized exactly
-in registers, then the same FMA chains, so the same bits as PackedLinear over the
-GGUF's dequantized weights from a sixth (Q4_1) of the bytes; or, with activations
+The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks as stored
+(`QuantLinear`, `model.quantization: stored`, stored.py): blocks repacked at load
+(Q4_K's super-blocks transcoded to 32-weight blocks with float32 scales, exactly),
+dequantized exactly in registers, then the same FMA chains, so the same bits as
+PackedLinear over the GGUF's dequantized weights from a sixth (Q4_1) of the bytes; or, with activations
 "int8" (`model.stored_activations`), each row quantized per 32 features to int8 and
 integer dot products per block (skinny_gemm.cpp's QuantI8), as llama.cpp does.
 
@@ -48,6 +49,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -254,13 +256,58 @@ class PackedLinear(_KernelLinear):
 
 
 # GGUF block types the kernel serves as stored: ggml_type id -> (name, bytes per block
-# of 32 weights, whether the block has a float16 minimum after its scale).
-GGML_TYPES = {2: ("Q4_0", 18, False), 3: ("Q4_1", 20, True), 8: ("Q8_0", 34, False)}
+# of 32 weights as the kernel packs them, whether the block has a minimum after its
+# scale). Q4_K's 256-weight super-blocks are transcoded to 32-weight blocks first
+# (q4_k_blocks), with float32 scales and minimums: SCALE_BYTES.
+GGML_TYPES = {
+    2: ("Q4_0", 18, False),
+    3: ("Q4_1", 20, True),
+    8: ("Q8_0", 34, False),
+    12: ("Q4_K", 24, True),
+}
+Q4_K = 12
+SCALE_BYTES = {Q4_K: 4}  # bytes of a block's scale (and minimum); others float16: 2
 GROUP = 32  # weights per GGUF block, along the input features
+QK_K = 256  # weights per K-quant super-block
+Q4_K_BYTES = 144  # bytes of a Q4_K super-block: d, dmin, 12 bytes of scales, 128 of quants
 # What QuantLinear multiplies the stored blocks with: float32 activations (each weight
 # dequantized exactly: the fp32 kernel's bits) or int8 ones per block of 32 features
 # (ggml's Q8_1 quantization of each row, integer dot products per block).
 ACTIVATIONS = ("float32", "int8")
+
+
+def q4_k_blocks(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_K super-blocks of an [out, in] matrix, uint8 [out, in / 256 * 144], as
+    32-weight blocks the kernel takes, uint8 [out, in / 32 * 24]: per sub-block the
+    float32 scale D = d * sc and minimum -(dmin * mn), then 16 bytes of quants in Q4_1's
+    order (byte j: weight j low nibble, j + 16 high). ggml dequantizes a weight as
+    D * q - dmin * mn with D and dmin * mn computed in float32, where a float16 times a
+    6-bit integer is exact; so D * q + (-(dmin * mn)) in one rounding is its value bit
+    for bit. Costs 6 bits a weight where the file has 4.5."""
+    from gguf.quants import Q4_K as Q4KQuant
+
+    out = raw.shape[0]
+    b = raw.numpy().reshape(-1, Q4_K_BYTES)  # [super-blocks, 144]
+    n = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4KQuant.get_scale_min(b[:, 4:16].copy())  # [n, 8] 6-bit each
+    scale = d * sc.astype(np.float32)  # [n, 8]
+    minimum = -(dmin * mn.astype(np.float32))
+    # Quants: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles and
+    # 2c + 1 in its high ones, weight i of each in byte i.
+    qs = b[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(n, 8, 32)  # [n, sub-block, weight]
+    nib = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1's order
+    blocks = np.concatenate(
+        [
+            scale.reshape(n, 8, 1).view(np.uint8),
+            minimum.reshape(n, 8, 1).view(np.uint8),
+            nib.astype(np.uint8),
+        ],
+        axis=2,
+    )  # [n, 8, 4 + 4 + 16]
+    return torch.from_numpy(np.ascontiguousarray(blocks).reshape(out, -1))
 
 
 def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
@@ -277,11 +324,7 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tenso
     padded = torch.zeros(blocks * block, groups, block_bytes, dtype=torch.uint8)
     padded[:out] = raw.reshape(out, groups, block_bytes)
     cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
-    head = 4 if has_min else 2
-    parts = [cols[..., 0:2].reshape(blocks, groups, 2 * block)]
-    if has_min:
-        parts.append(cols[..., 2:4].reshape(blocks, groups, 2 * block))
-    qs = cols[..., head:]  # [b, g, col, bytes]
+    parts, qs = _heads(cols, ggml_type, has_min)
     if ggml_type == 8:  # int8 per weight: [b, g, feature, col]
         parts.append(qs.transpose(2, 3).reshape(blocks, groups, GROUP * block))
     else:  # ggml: byte j holds weight j (low nibble) and j + 16 (high)
@@ -290,6 +333,19 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tenso
         nib = q[..., :half] | (q[..., half:] << 4)
         parts.append(nib.reshape(blocks, groups, GROUP * half))
     return torch.cat(parts, dim=2).contiguous()
+
+
+def _heads(
+    cols: torch.Tensor, ggml_type: int, has_min: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Of blocks [b, g, col, bytes]: the columns' scales (and minimums), each
+    [b, g, col * scale bytes], and the quant bytes [b, g, col, rest]."""
+    blocks, groups, block = cols.shape[:3]
+    sb = SCALE_BYTES.get(ggml_type, 2)
+    parts = [cols[..., 0:sb].reshape(blocks, groups, sb * block)]
+    if has_min:
+        parts.append(cols[..., sb : 2 * sb].reshape(blocks, groups, sb * block))
+    return parts, cols[..., (2 if has_min else 1) * sb :]
 
 
 def pack_gguf_i8(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
@@ -306,11 +362,7 @@ def pack_gguf_i8(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Te
     padded = torch.zeros(blocks * block, groups, block_bytes, dtype=torch.uint8)
     padded[:out] = raw.reshape(out, groups, block_bytes)
     cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
-    head = 4 if has_min else 2
-    parts = [cols[..., 0:2].reshape(blocks, groups, 2 * block)]
-    if has_min:
-        parts.append(cols[..., 2:4].reshape(blocks, groups, 2 * block))
-    qs = cols[..., head:]  # [b, g, col, bytes]
+    parts, qs = _heads(cols, ggml_type, has_min)
     if ggml_type != 8:  # byte j: weight j (low nibble), j + 16 (high)
         qs = torch.cat([qs & 15, qs >> 4], dim=3)  # [b, g, col, feature]
     quads = qs.reshape(blocks, groups, block, GROUP // 4, 4).transpose(2, 3)  # [b,g,quad,col,4]
@@ -334,12 +386,15 @@ def unpack_gguf_columns(
     g = packed[cols // block]  # [n, groups, bytes]
     c = cols % block
 
-    def halves(off: int) -> torch.Tensor:  # float16 per (col, group) -> [n, groups, 1]
-        h = g[:, :, off : off + 2 * block].contiguous().view(torch.float16)
+    sb = SCALE_BYTES.get(ggml_type, 2)
+
+    def halves(off: int) -> torch.Tensor:  # a scale per (col, group) -> [n, groups, 1]
+        h = g[:, :, off : off + sb * block].contiguous()
+        h = h.view(torch.float32 if sb == 4 else torch.float16)
         return h.view(n, groups, block)[at, :, c].float().unsqueeze(-1)
 
     d = halves(0)
-    qoff = 4 * block if has_min else 2 * block
+    qoff = (2 if has_min else 1) * sb * block
     if i8:  # [n, groups, quad, col, 4]
         half = block // 2
         if ggml_type == 8:
@@ -352,8 +407,8 @@ def unpack_gguf_columns(
         w = q.float() * d if ggml_type == 8 else None
         if ggml_type == 2:
             w = (q - 8).float() * d
-        elif ggml_type == 3:
-            w = q.float() * d + halves(2 * block)
+        elif has_min:
+            w = q.float() * d + halves(sb * block)
         assert w is not None
     elif ggml_type == 8:
         q = g[:, :, qoff:].contiguous().view(torch.int8).view(n, groups, GROUP, block)[at, :, :, c]
@@ -362,16 +417,17 @@ def unpack_gguf_columns(
         half = block // 2
         b = g[:, :, qoff:].reshape(n, groups, GROUP, half)[at, :, :, c % half]
         q = torch.where((c >= half).view(n, 1, 1), b >> 4, b & 15).to(torch.int16)
-        w = (q - 8).float() * d if ggml_type == 2 else q.float() * d + halves(2 * block)
+        w = (q - 8).float() * d if ggml_type == 2 else q.float() * d + halves(sb * block)
     return w.reshape(n, groups * GROUP)
 
 
 class QuantLinear(_KernelLinear):
     """y = x W^T (+ b) with W a GGUF tensor's quantized blocks as stored (Q4_0, Q4_1,
-    Q8_0), dequantized in registers by the packed kernel: the same FMA chains as
+    Q8_0, Q4_K), dequantized in registers by the packed kernel: the same FMA chains as
     PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
-    (Q4_1) to a quarter (Q8_0) of fp32's bytes. `raw`: uint8 [out, in / 32 * block
-    bytes] in GGUF row order; `isa` as PackedLinear's. `activations` "int8": x's rows
+    (Q4_1) to a quarter (Q8_0) of fp32's bytes (Q4_K: 6 bits a weight, q4_k_blocks).
+    `raw`: uint8 [out, in / 32 * block bytes] in GGUF row order (Q4_K: [out, in / 256 *
+    144], in a multiple of 256); `isa` as PackedLinear's. `activations` "int8": x's rows
     quantized per 32 features and integer dot products (pack_gguf_i8's layout), the
     result within that rounding, still independent of the rows beside each."""
 
@@ -387,8 +443,10 @@ class QuantLinear(_KernelLinear):
         super().__init__()
         lib = kernel(isa)
         block = lib.adaserve_skinny_block()
-        if ggml_type not in GGML_TYPES or in_features % GROUP:
+        if ggml_type not in GGML_TYPES or in_features % (QK_K if ggml_type == Q4_K else GROUP):
             raise ValueError(f"ggml type {ggml_type} with {in_features} input features")
+        if ggml_type == Q4_K:
+            raw = q4_k_blocks(raw)
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activations {activations!r} ({' | '.join(ACTIVATIONS)})")
         self.ggml_type = ggml_type

@@ -280,7 +280,8 @@ float half_to_float(uint16_t h) {
 // blocks (cpu_gemm.py's pack_gguf layout, or pack_gguf_i8's with i8), float32 [n,
 // groups * 32]: ggml's own arithmetic (q * d, (q - 8) * d, q * d + m in float32), the
 // values unpack_gguf_columns gives, for an embedding lookup of one decode step's
-// tokens without its ~20 torch ops. format: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0). Returns -1,
+// tokens without its ~20 torch ops. format: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K,
+// transcoded: float32 scales). Returns -1,
 // writing nothing, where a column is not in [0, N).
 extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t groups,
                                       int64_t group_bytes, int format, int i8,
@@ -288,17 +289,25 @@ extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t 
   constexpr int64_t kBlock = 32, kHalf = 16;
   for (int64_t i = 0; i < n; ++i)
     if (cols[i] < 0 || cols[i] >= N) return -1;
-  const bool has_min = format == 3;
-  const int64_t qoff = (has_min ? 4 : 2) * kBlock;
+  const bool has_min = format == 3 || format == 12;
+  const int64_t scale_bytes = format == 12 ? 4 : 2;  // Q4_K: float32 (skinny_gemm.cpp)
+  const int64_t qoff = (has_min ? 2 : 1) * scale_bytes * kBlock;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t c = cols[i] % kBlock;
     const uint8_t* blk = packed + cols[i] / kBlock * groups * group_bytes;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = blk + g * group_bytes;
-      uint16_t hd, hm = 0;
-      memcpy(&hd, p + 2 * c, 2);
-      if (has_min) memcpy(&hm, p + 2 * kBlock + 2 * c, 2);
-      const float d = half_to_float(hd), m = half_to_float(hm);
+      float d, m = 0.0f;
+      if (scale_bytes == 4) {
+        memcpy(&d, p + 4 * c, 4);
+        memcpy(&m, p + 4 * kBlock + 4 * c, 4);
+      } else {
+        uint16_t hd, hm = 0;
+        memcpy(&hd, p + 2 * c, 2);
+        if (has_min) memcpy(&hm, p + 2 * kBlock + 2 * c, 2);
+        d = half_to_float(hd);
+        m = half_to_float(hm);
+      }
       const uint8_t* q = p + qoff;
       float* o = out + i * groups * kBlock + g * kBlock;
       for (int64_t f = 0; f < kBlock; ++f) {

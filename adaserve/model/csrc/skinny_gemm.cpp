@@ -17,7 +17,7 @@
 // layers): a quarter of the bytes to stream, converted to float in registers, while
 // the activations stay float32 (fbgemm's dynamic int8 quantizes them too).
 //
-// And it takes GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (Quant below), dequantized
+// And it takes GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks as stored (Quant below), dequantized
 // exactly in registers once per feature and tile of rows, then the same FMA chains:
 // the bits of the float32 kernel over the GGUF's dequantized weights; or with the
 // activations quantized to int8 per group and integer dot products (QuantI8).
@@ -132,15 +132,34 @@ struct Dense {
 // ggml's own dequantization, and exact here too (a float16 times a small integer fits
 // float32's mantissa; Q4_1's FMA rounds once, as ggml's multiply-then-add does), so the
 // FMA chains below see the very floats of the GGUF's dequantized weights.
+//
+// Q4_K arrives transcoded by cpu_gemm.py (q4_k_blocks): each 32-weight sub-block of a
+// 256-weight super-block is q * (d * sc) - dmin * mn with 6-bit sc and mn, and both
+// products are exact in float32 (a float16 times a 6-bit integer), so it is laid out as
+// Q4_1 with those two as float32 scale and minimum (negated) in place of float16 ones:
+// still ggml's values bit for bit, from 6 bits a weight where the file has 4.5.
 constexpr int64_t kGroup = 32;
-enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml_type ids
+enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12 };  // ggml_type ids
+
+template <int F>
+constexpr bool kHasMin = F == kQ4_1 || F == kQ4_K;
+template <int F>
+constexpr int64_t kScaleBytes = F == kQ4_K ? 4 : 2;  // float32 or float16 scales
+
+// The scales of kLanes columns from index i of a group's head.
+template <int F>
+inline vec load_scales(const uint8_t* head, int64_t i) {
+  if constexpr (F == kQ4_K) return vload((const float*)head + i);
+  else return vload_f16((const uint16_t*)head + i);
+}
 
 template <int F>
 struct Quant {
   static constexpr bool kQuant = true;
-  static constexpr bool kMin = F == kQ4_1;
+  static constexpr bool kMin = kHasMin<F>;
   static constexpr int64_t kQuantBytes = F == kQ8_0 ? kGroup * kBlock : kGroup * kBlock / 2;
-  static constexpr int64_t kBytes = 2 * kBlock * (kMin ? 2 : 1) + kQuantBytes;  // per group
+  static constexpr int64_t kHead = kScaleBytes<F> * kBlock * (kMin ? 2 : 1);
+  static constexpr int64_t kBytes = kHead + kQuantBytes;  // per group
   const uint8_t* w;  // [blocks, K / 32, kBytes]
   const float* bias;
   int64_t K;
@@ -165,13 +184,12 @@ struct Quant {
     const uint8_t* p = w + blk * (K / kGroup * kBytes);
     for (int64_t g = 0; g < K / kGroup; ++g, p += kBytes) {
       vec d[kVecs], mn[kVecs];
-      const uint16_t* h = (const uint16_t*)p;
       for (int j = 0; j < kVecs; ++j) {
-        d[j] = vload_f16(h + kLanes * j);
-        if constexpr (kMin) mn[j] = vload_f16(h + kBlock + kLanes * j);
+        d[j] = load_scales<F>(p, kLanes * j);
+        if constexpr (kMin) mn[j] = load_scales<F>(p, kBlock + kLanes * j);
         if constexpr (F == kQ4_0) mn[j] = vmul(d[j], vset1(-8.0f));
       }
-      const uint8_t* q = p + 2 * kBlock * (kMin ? 2 : 1);
+      const uint8_t* q = p + kHead;
       for (int64_t kk = 0; kk < kGroup; ++kk) {
         vec wv[kVecs];
         weights(q, kk, d, mn, wv);
@@ -199,15 +217,14 @@ struct Quant {
         const uint8_t* p = wb + b * bs + g * kBytes;
         for (int64_t off = 0; off < kBytes; off += 64)  // two groups ahead
           _mm_prefetch((const char*)(p + 2 * kBytes + off), _MM_HINT_T0);
-        const uint16_t* h = (const uint16_t*)p;
 #pragma GCC unroll 4
         for (int j = 0; j < kVecs; ++j) {
-          d[kVecs * b + j] = vload_f16(h + kLanes * j);
-          if constexpr (kMin) mn[kVecs * b + j] = vload_f16(h + kBlock + kLanes * j);
+          d[kVecs * b + j] = load_scales<F>(p, kLanes * j);
+          if constexpr (kMin) mn[kVecs * b + j] = load_scales<F>(p, kBlock + kLanes * j);
           // Q4_0: (q - 8) * d as q * d + (-8 d), both exact, so one FMA rounds to it.
           if constexpr (F == kQ4_0) mn[kVecs * b + j] = vmul(d[kVecs * b + j], vset1(-8.0f));
         }
-        q[b] = p + 2 * kBlock * (kMin ? 2 : 1);
+        q[b] = p + kHead;
       }
       const float* xg = x + g * kGroup;
       for (int64_t kk = 0; kk < kGroup; ++kk) {
@@ -324,7 +341,7 @@ struct RowQuant {
 template <int F>
 struct QuantI8 {
   static constexpr bool kMin = F != kQ8_0;  // Q4_0 as a minimum of -8 d
-  static constexpr int64_t kHead = 2 * kBlock * (F == kQ4_1 ? 2 : 1);
+  static constexpr int64_t kHead = kScaleBytes<F> * kBlock * (kHasMin<F> ? 2 : 1);
   static constexpr int64_t kQuad = F == kQ8_0 ? 4 * kBlock : 2 * kBlock;  // bytes
   static constexpr int64_t kBytes = kHead + kGroup / 4 * kQuad;
   const uint8_t* w;
@@ -382,12 +399,11 @@ struct QuantI8 {
             is[m][j] = idot(is[m][j], wv[j], F == kQ8_0 ? isign8(xb, sg[j]) : xb);
         }
       }
-      const uint16_t* h = (const uint16_t*)p;
       vec dw[kVecs], mw[kVecs];
 #pragma GCC unroll 4
       for (int j = 0; j < kVecs; ++j) {
-        dw[j] = vload_f16(h + kLanes * col(j));
-        if constexpr (F == kQ4_1) mw[j] = vload_f16(h + kBlock + kLanes * col(j));
+        dw[j] = load_scales<F>(p, kLanes * col(j));
+        if constexpr (kHasMin<F>) mw[j] = load_scales<F>(p, kBlock + kLanes * col(j));
         if constexpr (F == kQ4_0) mw[j] = vmul(dw[j], vset1(-8.0f));
       }
 #pragma GCC unroll 8
@@ -462,6 +478,7 @@ extern "C" int64_t adaserve_quant_group_bytes(int format) {
     case kQ4_0: return Quant<kQ4_0>::kBytes;
     case kQ4_1: return Quant<kQ4_1>::kBytes;
     case kQ8_0: return Quant<kQ8_0>::kBytes;
+    case kQ4_K: return Quant<kQ4_K>::kBytes;
     default: return 0;
   }
 }
@@ -475,6 +492,7 @@ extern "C" void adaserve_quant_linear(const float* x, int64_t M, int64_t K, cons
     case kQ4_0: return linear(Quant<kQ4_0>{w, bias, K}, x, M, N, y, threads);
     case kQ4_1: return linear(Quant<kQ4_1>{w, bias, K}, x, M, N, y, threads);
     case kQ8_0: return linear(Quant<kQ8_0>{w, bias, K}, x, M, N, y, threads);
+    case kQ4_K: return linear(Quant<kQ4_K>{w, bias, K}, x, M, N, y, threads);
   }
 }
 
@@ -485,6 +503,7 @@ extern "C" int64_t adaserve_quant_i8_group_bytes(int format) {
     case kQ4_0: return QuantI8<kQ4_0>::kBytes;
     case kQ4_1: return QuantI8<kQ4_1>::kBytes;
     case kQ8_0: return QuantI8<kQ8_0>::kBytes;
+    case kQ4_K: return QuantI8<kQ4_K>::kBytes;
     default: return 0;
   }
 }
@@ -497,5 +516,6 @@ extern "C" void adaserve_quant_i8_linear(const float* x, int64_t M, int64_t K, c
     case kQ4_0: return linear_i8<kQ4_0>(w, x, M, K, N, bias, y, threads);
     case kQ4_1: return linear_i8<kQ4_1>(w, x, M, K, N, bias, y, threads);
     case kQ8_0: return linear_i8<kQ8_0>(w, x, M, K, N, bias, y, threads);
+    case kQ4_K: return linear_i8<kQ4_K>(w, x, M, K, N, bias, y, threads);
   }
 }
