@@ -1,7 +1,7 @@
 """A GGUF target served at its stored precision (`model.quantization: stored`,
 adaserve/model/stored.py, QuantLinear in cpu_gemm.py), on the real embedded SmolLM2
 file (Q4_1 layers, a Q8_0 tied embedding), on Q4_0 blocks quantized by the `gguf`
-package and on random Q4_K super-blocks: the kernel's products are within float32 accumulation error of a float64
+package and on random Q4_K and Q6_K super-blocks: the kernel's products are within float32 accumulation error of a float64
 matmul of the `gguf` package's own dequantization, a row's result is the same bits
 whatever rows are beside it and on either build, the model's logits are those of the
 float32 (`none`) model, and speculation on it emits the stored target's own greedy
@@ -44,8 +44,8 @@ ROWS = [1, 3, 5, 8, 16, 37]
 def gguf_tensors() -> dict[str, tuple[torch.Tensor, int, np.ndarray]]:
     """name -> (raw blocks uint8 [out, bytes], ggml type, float32 [out, in] from the
     gguf package's dequantize): three real tensors (the token embedding cut to 2000
-    rows), a Q4_0 one quantized here and a Q4_K one of random blocks (the file holds
-    neither)."""
+    rows), a Q4_0 one quantized here and Q4_K and Q6_K ones of random blocks (the file
+    holds none of those)."""
     reader = GGUFReader(embedded_gguf())
     found = {t.name: t for t in reader.tensors}
     out = {}
@@ -64,7 +64,22 @@ def gguf_tensors() -> dict[str, tuple[torch.Tensor, int, np.ndarray]]:
     deq = dequantize(raw, GGMLQuantizationType.Q4_0).astype(np.float32)
     out["q4_0"] = (torch.from_numpy(raw), int(GGMLQuantizationType.Q4_0), deq)
     out["q4_k"] = _random_q4_k(rng, 77, 512)
+    out["q6_k"] = _random_q6_k(rng, 77, 512)
     return out
+
+
+def _random_q6_k(
+    rng: np.random.Generator, rows: int, k: int
+) -> tuple[torch.Tensor, int, np.ndarray]:
+    """Q6_K super-blocks of random bytes (the `gguf` package does not quantize Q6_K
+    either): any quants, any int8 scales (negative ones too), float16 d ~1e-3."""
+    kind = GGMLQuantizationType.Q6_K
+    blocks = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
+    d = (rng.uniform(0.5, 2.0, (rows, k // 256, 1)) / 1024).astype(np.float16)
+    blocks[..., 208:210] = d.view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    deq = dequantize(raw, kind).astype(np.float32).reshape(rows, k)
+    return torch.from_numpy(raw), int(kind), deq
 
 
 def _random_q4_k(
@@ -94,12 +109,14 @@ def test_the_file_holds_what_the_kernel_serves(gguf_tensors):
         "token_embd.weight": "Q8_0",
         "q4_0": "Q4_0",
         "q4_k": "Q4_K",
+        "q6_k": "Q6_K",
     }
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
-    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k"]
+    "name",
+    ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k", "q6_k"],
 )
 def test_products_match_a_float64_matmul_of_the_dequantized_weights(gguf_tensors, name, isa):
     """Dequantization is exact, so the only error is float32 accumulation: per output
@@ -146,7 +163,8 @@ def int8_activation_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
-    "name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k"]
+    "name",
+    ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k", "q6_k"],
 )
 def test_int8_activation_products_are_within_the_derived_bound(gguf_tensors, name, isa):
     """Against a float64 matmul of the `gguf` package's dequantization and the exact
@@ -170,7 +188,9 @@ def test_int8_activation_products_are_within_the_derived_bound(gguf_tensors, nam
 
 @pytest.mark.parametrize("activations", cpu_gemm.ACTIVATIONS)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", ["blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k"])
+@pytest.mark.parametrize(
+    "name", ["blk.7.ffn_down.weight", "token_embd.weight", "q4_0", "q4_k", "q6_k"]
+)
 def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it(
     gguf_tensors, name, isa, activations
 ):
@@ -191,7 +211,9 @@ def test_a_row_is_bitwise_the_same_whatever_rows_are_beside_it(
 
 @pytest.mark.skipif(len(RUNNABLE) < 2, reason="needs a CPU that runs both builds (AVX-512)")
 @pytest.mark.parametrize("activations", cpu_gemm.ACTIVATIONS)
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0", "q4_k"])
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0", "q4_k", "q6_k"]
+)
 def test_every_build_gives_the_avx2_builds_bits(gguf_tensors, name, activations):
     raw, kind, w = gguf_tensors[name]
     b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(1))
@@ -204,12 +226,15 @@ def test_every_build_gives_the_avx2_builds_bits(gguf_tensors, name, activations)
 
 
 @pytest.mark.parametrize("activations", cpu_gemm.ACTIVATIONS)
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0", "q4_k"])
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "token_embd.weight", "q4_0", "q4_k", "q6_k"]
+)
 def test_columns_and_embedding_lookups_are_the_gguf_values(gguf_tensors, name, activations):
     raw, kind, w = gguf_tensors[name]
     layer = QuantLinear(raw, kind, w.shape[1], activations=activations)
-    # The blocks and nothing else, for whole blocks of 32 columns (Q4_K's with float32
-    # scales: 24 bytes per 32 weights where the file has 18), not float32.
+    # The blocks and nothing else, for whole blocks of 32 columns (the K-quants' with
+    # float32 scales: Q4_K 24 bytes per 32 weights where the file has 18, Q6_K 40 for
+    # 26.25), not float32.
     out, k = w.shape
     padded = -(-out // 32) * 32
     assert layer.packed.nbytes == padded * (k // 32) * cpu_gemm.GGML_TYPES[kind][1]
@@ -493,9 +518,37 @@ def _q4_k_quantize(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def _with_q4_k_down_projections(src: Path, dst: Path) -> int:
+def _q6_k_quantize(w: np.ndarray) -> np.ndarray:
+    """Float32 [rows, k] as Q6_K super-blocks, uint8 [rows, k / 256 * 210]: per 16-weight
+    sub-block an int8 multiple of the super-block's float16 d as its scale (a plain
+    quantizer, as _q4_k_quantize)."""
+    rows, k = w.shape
+    sub = w.reshape(rows, k // 256, 16, 16).astype(np.float64)
+    step = np.maximum(np.abs(sub).max(-1), 1e-8) / 31  # [r, s, 16]
+    d = (step.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = np.clip(np.ceil(step / d.astype(np.float64)), 1, 127).astype(np.int8)
+    scale = (d.astype(np.float32) * sc)[..., None].astype(np.float64)
+    q = (np.clip(np.round(sub / scale), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(rows, k // 256, 2, 128)  # two halves of 128 weights
+    ql = (q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)  # [r, s, 2, 64]
+    hi = (q >> 4).reshape(rows, k // 256, 2, 4, 32)
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    blocks = np.concatenate(
+        [
+            ql.reshape(rows, k // 256, 128),
+            qh.reshape(rows, k // 256, 64),
+            sc.view(np.uint8),
+            d.view(np.uint8),
+        ],
+        -1,
+    )
+    return blocks.reshape(rows, -1)
+
+
+def _with_k_quant_down_projections(src: Path, dst: Path) -> int:
     """A copy of the GGUF at `src` whose ffn_down tensors (1536 input features, a
-    multiple of 256) are re-quantized to Q4_K; returns how many."""
+    multiple of 256) are re-quantized, to Q4_K in even layers and Q6_K in odd ones (a
+    Q4_K_M file mixes the two likewise); returns how many."""
     import gguf
 
     reader = GGUFReader(src)
@@ -512,7 +565,10 @@ def _with_q4_k_down_projections(src: Path, dst: Path) -> int:
         raw, kind = np.array(t.data), t.tensor_type
         if t.name.endswith("ffn_down.weight"):
             w = dequantize(raw, kind).astype(np.float32).reshape(raw.shape[0], -1)
-            raw, kind = _q4_k_quantize(w), GGMLQuantizationType.Q4_K
+            if int(t.name.split(".")[1]) % 2:
+                raw, kind = _q6_k_quantize(w), GGMLQuantizationType.Q6_K
+            else:
+                raw, kind = _q4_k_quantize(w), GGMLQuantizationType.Q4_K
         data[t.name] = raw
         writer.add_tensor_info(t.name, raw.shape, raw.dtype, raw.nbytes, kind)
     writer.write_header_to_file()
@@ -525,16 +581,16 @@ def _with_q4_k_down_projections(src: Path, dst: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_q4_k_files_layers_are_served_as_stored(tmp_path, monkeypatch):
-    """A GGUF with Q4_K tensors (the embedded file, its down projections re-quantized
-    to Q4_K here): they are served as stored beside the Q4_1 ones, checked at load
+def test_a_k_quant_files_layers_are_served_as_stored(tmp_path, monkeypatch):
+    """A GGUF with Q4_K and Q6_K tensors (the embedded file, its down projections
+    re-quantized here): they are served as stored beside the Q4_1 ones, checked at load
     against the conversion, and with float32 activations the logits are the float32
     (`none`) model's of that file bit for bit."""
     monkeypatch.setenv("ADASERVE_CACHE_DIR", str(tmp_path / "cache"))
     src = embedded_gguf()
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    n = _with_q4_k_down_projections(src, model_dir / src.name)
+    n = _with_k_quant_down_projections(src, model_dir / src.name)
     assert n == 30
     with single_thread():
         stored_runner = load_runner(
@@ -547,5 +603,6 @@ def test_a_q4_k_files_layers_are_served_as_stored(tmp_path, monkeypatch):
         none_runner = load_runner(
             str(model_dir / src.name), device="cpu", kv_blocks=64, quantization="none"
         )
-        assert stored_runner.weight_formats == {"Q4_1": 90, "Q4_K": 30, "Q8_0": 1}
+        formats = {"Q4_1": 90, "Q4_K": 15, "Q6_K": 15, "Q8_0": 1}
+        assert stored_runner.weight_formats == formats
         assert torch.equal(logits_of(stored_runner, PROMPT), logits_of(none_runner, PROMPT))

@@ -16,9 +16,9 @@ order) for any number of rows and on either build, so a token's logits do not de
 on the tree verified beside it. The result differs from MKL's in the last bits
 (another summation order), as any two BLAS do.
 
-The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks as stored
+The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as stored
 (`QuantLinear`, `model.quantization: stored`, stored.py): blocks repacked at load
-(Q4_K's super-blocks transcoded to 32-weight blocks with float32 scales, exactly),
+(the K-quants' super-blocks transcoded to 32-weight blocks with float32 scales, exactly),
 dequantized exactly in registers, then the same FMA chains, so the same bits as
 PackedLinear over the GGUF's dequantized weights from a sixth (Q4_1) of the bytes; or, with activations
 "int8" (`model.stored_activations`), each row quantized per 32 features to int8 and
@@ -256,57 +256,75 @@ class PackedLinear(_KernelLinear):
 
 
 # GGUF block types the kernel serves as stored: ggml_type id -> (name, bytes per block
-# of 32 weights as the kernel packs them, whether the block has a minimum after its
-# scale). Q4_K's 256-weight super-blocks are transcoded to 32-weight blocks first
-# (q4_k_blocks), with float32 scales and minimums: SCALE_BYTES.
+# of 32 weights as the kernel packs them, whether the block has a second scale vector
+# after its scale: Q4_1's and Q4_K's minimum, Q6_K's scale of weights 16-31). The
+# K-quants' 256-weight super-blocks are transcoded to 32-weight blocks first
+# (k_quant_blocks), with float32 scales: SCALE_BYTES.
 GGML_TYPES = {
     2: ("Q4_0", 18, False),
     3: ("Q4_1", 20, True),
     8: ("Q8_0", 34, False),
     12: ("Q4_K", 24, True),
+    14: ("Q6_K", 40, True),
 }
-Q4_K = 12
-SCALE_BYTES = {Q4_K: 4}  # bytes of a block's scale (and minimum); others float16: 2
+Q8_0, Q4_K, Q6_K = 8, 12, 14
+INT8_QUANTS = (Q8_0, Q6_K)  # one int8 per weight; the others a nibble
+SCALE_BYTES = {Q4_K: 4, Q6_K: 4}  # bytes of a block's scale; the others float16: 2
 GROUP = 32  # weights per GGUF block, along the input features
 QK_K = 256  # weights per K-quant super-block
-Q4_K_BYTES = 144  # bytes of a Q4_K super-block: d, dmin, 12 bytes of scales, 128 of quants
+# Bytes of a super-block: Q4_K d, dmin, 12 of scales, 128 of quants; Q6_K 128 of low
+# quant bits, 64 of high ones, 16 int8 scales, d.
+K_QUANT_BYTES = {Q4_K: 144, Q6_K: 210}
 # What QuantLinear multiplies the stored blocks with: float32 activations (each weight
 # dequantized exactly: the fp32 kernel's bits) or int8 ones per block of 32 features
 # (ggml's Q8_1 quantization of each row, integer dot products per block).
 ACTIVATIONS = ("float32", "int8")
 
 
-def q4_k_blocks(raw: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_K super-blocks of an [out, in] matrix, uint8 [out, in / 256 * 144], as
-    32-weight blocks the kernel takes, uint8 [out, in / 32 * 24]: per sub-block the
-    float32 scale D = d * sc and minimum -(dmin * mn), then 16 bytes of quants in Q4_1's
-    order (byte j: weight j low nibble, j + 16 high). ggml dequantizes a weight as
-    D * q - dmin * mn with D and dmin * mn computed in float32, where a float16 times a
-    6-bit integer is exact; so D * q + (-(dmin * mn)) in one rounding is its value bit
-    for bit. Costs 6 bits a weight where the file has 4.5."""
+def k_quant_blocks(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF K-quant super-blocks of an [out, in] matrix, uint8 [out, in / 256 * super-block
+    bytes], as the 32-weight blocks the kernel takes, uint8 [out, in / 32 * block bytes]
+    (GGML_TYPES). ggml computes each sub-block's scale (and Q4_K's minimum) in float32
+    as a float16 times a 6-bit (Q6_K: int8) integer, which is exact, so stored as
+    float32 they give the `gguf` package's dequantized values bit for bit:
+    - Q4_K: float32 D = d * sc and -(dmin * mn), then 16 bytes of quants in Q4_1's
+      order (byte j: weight j low nibble, j + 16 high); a weight is D * q + (-(dmin *
+      mn)) in one rounding (the product is exact). 6 bits a weight (the file: 4.5).
+    - Q6_K: float32 d * sc of weights 0-15 and of 16-31, then 32 int8 q - 32, Q8_0's
+      layout; (q - 32) * d * sc is exact. 10 bits a weight (the file: 6.6)."""
     from gguf.quants import Q4_K as Q4KQuant
 
     out = raw.shape[0]
-    b = raw.numpy().reshape(-1, Q4_K_BYTES)  # [super-blocks, 144]
+    b = raw.numpy().reshape(-1, K_QUANT_BYTES[ggml_type])  # [super-blocks, bytes]
     n = b.shape[0]
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = Q4KQuant.get_scale_min(b[:, 4:16].copy())  # [n, 8] 6-bit each
-    scale = d * sc.astype(np.float32)  # [n, 8]
-    minimum = -(dmin * mn.astype(np.float32))
-    # Quants: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles and
-    # 2c + 1 in its high ones, weight i of each in byte i.
-    qs = b[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 15).reshape(n, 8, 32)  # [n, sub-block, weight]
-    nib = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1's order
-    blocks = np.concatenate(
-        [
+    if ggml_type == Q6_K:
+        ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 4, 1
+        )
+        q = (ql & 15).reshape(n, 2, 128) | ((qh & 3).reshape(n, 2, 128) << 4)
+        quants = (q.reshape(n, 8, 32).astype(np.int16) - 32).astype(np.int8)
+        d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        scale = (d * b[:, 192:208].copy().view(np.int8).astype(np.float32)).reshape(n, 8, 2)
+        first, second = (np.ascontiguousarray(scale[:, :, i : i + 1]) for i in (0, 1))
+        parts = [first.view(np.uint8), second.view(np.uint8), quants.view(np.uint8)]
+    else:
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4KQuant.get_scale_min(b[:, 4:16].copy())  # [n, 8] 6-bit each
+        scale = d * sc.astype(np.float32)
+        minimum = -(dmin * mn.astype(np.float32))
+        # 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles and 2c + 1
+        # in its high ones, weight i of each in byte i.
+        qs = b[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 15).reshape(n, 8, 32)  # [n, sub-block, weight]
+        nib = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1's order
+        parts = [
             scale.reshape(n, 8, 1).view(np.uint8),
             minimum.reshape(n, 8, 1).view(np.uint8),
             nib.astype(np.uint8),
-        ],
-        axis=2,
-    )  # [n, 8, 4 + 4 + 16]
+        ]
+    blocks = np.concatenate(parts, axis=2)  # [n, 8, block bytes]
     return torch.from_numpy(np.ascontiguousarray(blocks).reshape(out, -1))
 
 
@@ -325,7 +343,7 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tenso
     padded[:out] = raw.reshape(out, groups, block_bytes)
     cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
     parts, qs = _heads(cols, ggml_type, has_min)
-    if ggml_type == 8:  # int8 per weight: [b, g, feature, col]
+    if ggml_type in INT8_QUANTS:  # int8 per weight: [b, g, feature, col]
         parts.append(qs.transpose(2, 3).reshape(blocks, groups, GROUP * block))
     else:  # ggml: byte j holds weight j (low nibble) and j + 16 (high)
         q = torch.cat([qs & 15, qs >> 4], dim=3).transpose(2, 3)  # [b, g, feature, col]
@@ -363,10 +381,10 @@ def pack_gguf_i8(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Te
     padded[:out] = raw.reshape(out, groups, block_bytes)
     cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
     parts, qs = _heads(cols, ggml_type, has_min)
-    if ggml_type != 8:  # byte j: weight j (low nibble), j + 16 (high)
+    if ggml_type not in INT8_QUANTS:  # byte j: weight j (low nibble), j + 16 (high)
         qs = torch.cat([qs & 15, qs >> 4], dim=3)  # [b, g, col, feature]
     quads = qs.reshape(blocks, groups, block, GROUP // 4, 4).transpose(2, 3)  # [b,g,quad,col,4]
-    if ggml_type != 8:
+    if ggml_type not in INT8_QUANTS:
         half = block // 2
         quads = quads[:, :, :, :half] | (quads[:, :, :, half:] << 4)
     parts.append(quads.reshape(blocks, groups, -1))
@@ -388,46 +406,47 @@ def unpack_gguf_columns(
 
     sb = SCALE_BYTES.get(ggml_type, 2)
 
-    def halves(off: int) -> torch.Tensor:  # a scale per (col, group) -> [n, groups, 1]
+    def heads(off: int) -> torch.Tensor:  # a scale per (col, group) -> [n, groups, 1]
         h = g[:, :, off : off + sb * block].contiguous()
         h = h.view(torch.float32 if sb == 4 else torch.float16)
         return h.view(n, groups, block)[at, :, c].float().unsqueeze(-1)
 
-    d = halves(0)
     qoff = (2 if has_min else 1) * sb * block
-    if i8:  # [n, groups, quad, col, 4]
-        half = block // 2
-        if ggml_type == 8:
-            qb = g[:, :, qoff:].contiguous().view(torch.int8).view(n, groups, 8, block, 4)
-            q = qb[at, :, :, c].reshape(n, groups, GROUP)
+    half = block // 2
+    qs = g[:, :, qoff:].contiguous()
+    if ggml_type in INT8_QUANTS:
+        qs = qs.view(torch.int8)
+        if i8:  # [n, groups, quad, col, 4]
+            q = qs.view(n, groups, 8, block, 4)[at, :, :, c].reshape(n, groups, GROUP)
+        else:  # [n, groups, feature, col]
+            q = qs.view(n, groups, GROUP, block)[at, :, :, c]
+    else:  # nibbles: low for columns 0-15, high for 16-31
+        if i8:
+            b = qs.reshape(n, groups, 8, half, 4)[at, :, :, c % half].reshape(n, groups, GROUP)
         else:
-            qb = g[:, :, qoff:].reshape(n, groups, 8, half, 4)[at, :, :, c % half]
-            q = torch.where((c >= half).view(n, 1, 1, 1), qb >> 4, qb & 15).to(torch.int16)
-            q = q.reshape(n, groups, GROUP)
-        w = q.float() * d if ggml_type == 8 else None
-        if ggml_type == 2:
-            w = (q - 8).float() * d
-        elif has_min:
-            w = q.float() * d + halves(sb * block)
-        assert w is not None
-    elif ggml_type == 8:
-        q = g[:, :, qoff:].contiguous().view(torch.int8).view(n, groups, GROUP, block)[at, :, :, c]
-        w = q.float() * d
-    else:
-        half = block // 2
-        b = g[:, :, qoff:].reshape(n, groups, GROUP, half)[at, :, :, c % half]
+            b = qs.reshape(n, groups, GROUP, half)[at, :, :, c % half]
         q = torch.where((c >= half).view(n, 1, 1), b >> 4, b & 15).to(torch.int16)
-        w = (q - 8).float() * d if ggml_type == 2 else q.float() * d + halves(sb * block)
+    d = heads(0)
+    if ggml_type == 2:
+        w = (q - 8).float() * d
+    elif ggml_type == Q6_K:  # weights 16-31 of a group have the second scale
+        w = q.float() * torch.cat(
+            [d.expand(-1, -1, half), heads(sb * block).expand(-1, -1, half)], -1
+        )
+    elif has_min:
+        w = q.float() * d + heads(sb * block)
+    else:
+        w = q.float() * d
     return w.reshape(n, groups * GROUP)
 
 
 class QuantLinear(_KernelLinear):
     """y = x W^T (+ b) with W a GGUF tensor's quantized blocks as stored (Q4_0, Q4_1,
-    Q8_0, Q4_K), dequantized in registers by the packed kernel: the same FMA chains as
-    PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
-    (Q4_1) to a quarter (Q8_0) of fp32's bytes (Q4_K: 6 bits a weight, q4_k_blocks).
-    `raw`: uint8 [out, in / 32 * block bytes] in GGUF row order (Q4_K: [out, in / 256 *
-    144], in a multiple of 256); `isa` as PackedLinear's. `activations` "int8": x's rows
+    Q8_0, Q4_K, Q6_K), dequantized in registers by the packed kernel: the same FMA chains
+    as PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
+    (Q4_1) to a quarter (Q8_0) of fp32's bytes (K-quants: 6 and 10 bits a weight,
+    k_quant_blocks). `raw`: uint8 [out, in / 32 * block bytes] in GGUF row order
+    (K-quants: [out, in / 256 * super-block bytes], in a multiple of 256); `isa` as PackedLinear's. `activations` "int8": x's rows
     quantized per 32 features and integer dot products (pack_gguf_i8's layout), the
     result within that rounding, still independent of the rows beside each."""
 
@@ -443,10 +462,11 @@ class QuantLinear(_KernelLinear):
         super().__init__()
         lib = kernel(isa)
         block = lib.adaserve_skinny_block()
-        if ggml_type not in GGML_TYPES or in_features % (QK_K if ggml_type == Q4_K else GROUP):
+        k_quant = ggml_type in K_QUANT_BYTES
+        if ggml_type not in GGML_TYPES or in_features % (QK_K if k_quant else GROUP):
             raise ValueError(f"ggml type {ggml_type} with {in_features} input features")
-        if ggml_type == Q4_K:
-            raw = q4_k_blocks(raw)
+        if k_quant:
+            raw = k_quant_blocks(raw, ggml_type)
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activations {activations!r} ({' | '.join(ACTIVATIONS)})")
         self.ggml_type = ggml_type

@@ -4,10 +4,10 @@ stored`).
 A GGUF file is converted once into a float32 Hugging Face directory (embedded.py), so
 the `none` path streams ~4 bytes per weight each step: ~540 MB for the embedded Q4_1
 SmolLM2, where llama.cpp reads ~85 MB. Here every linear layer whose GGUF tensor is
-Q4_0, Q4_1, Q8_0 or Q4_K is swapped for a QuantLinear over the file's own blocks
-(cpu_gemm.py; dequantized in registers, never kept in float32; Q4_K's super-blocks
-transcoded at load to 32-weight blocks with float32 scales, the same values), and a
-tied embedding reads the LM head's blocks. Dequantization is exact, and the kernel runs the fp32 kernel's FMA
+Q4_0, Q4_1, Q8_0, Q4_K or Q6_K is swapped for a QuantLinear over the file's own blocks
+(cpu_gemm.py; dequantized in registers, never kept in float32; the K-quants'
+super-blocks transcoded at load to 32-weight blocks with float32 scales, the same
+values), and a tied embedding reads the LM head's blocks. Dequantization is exact, and the kernel runs the fp32 kernel's FMA
 chains, so with `model.stored_activations: float32` a `stored` model computes the same
 logits as the `none` one on the packed kernel, bit for bit, from a sixth of the bytes.
 The default, `int8`, quantizes each token row per 32 features and takes integer dot
@@ -15,8 +15,8 @@ products (as llama.cpp does; ~3x faster decode steps than float32, logits within
 rounding). Either way speculation stays lossless: a row's result never depends on the
 rows beside it.
 
-Other tensor types (F16, Q5_K, Q6_K, ...: a Q4_K_M file's Q6_K tensors among them)
-keep their layer in float32 on the packed kernel, logged. Tensor parallelism is refused: a rank would need its slice of the
+Other tensor types (F16, Q5_K, ...) keep their layer in float32 on the packed kernel,
+logged. Tensor parallelism is refused: a rank would need its slice of the
 quantized blocks (column slices are whole rows of blocks, row slices cut features in
 multiples of 32), which is not done.
 

@@ -280,8 +280,8 @@ float half_to_float(uint16_t h) {
 // blocks (cpu_gemm.py's pack_gguf layout, or pack_gguf_i8's with i8), float32 [n,
 // groups * 32]: ggml's own arithmetic (q * d, (q - 8) * d, q * d + m in float32), the
 // values unpack_gguf_columns gives, for an embedding lookup of one decode step's
-// tokens without its ~20 torch ops. format: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K,
-// transcoded: float32 scales). Returns -1,
+// tokens without its ~20 torch ops. format: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K),
+// 14 (Q6_K; both transcoded, float32 scales). Returns -1,
 // writing nothing, where a column is not in [0, N).
 extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t groups,
                                       int64_t group_bytes, int format, int i8,
@@ -289,8 +289,10 @@ extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t 
   constexpr int64_t kBlock = 32, kHalf = 16;
   for (int64_t i = 0; i < n; ++i)
     if (cols[i] < 0 || cols[i] >= N) return -1;
-  const bool has_min = format == 3 || format == 12;
-  const int64_t scale_bytes = format == 12 ? 4 : 2;  // Q4_K: float32 (skinny_gemm.cpp)
+  // A second scale vector: Q4_1's and Q4_K's minimum, Q6_K's scale of features 16-31.
+  const bool has_min = format == 3 || format == 12 || format == 14;
+  const bool int8_quants = format == 8 || format == 14;
+  const int64_t scale_bytes = format == 12 || format == 14 ? 4 : 2;  // transcoded: float32
   const int64_t qoff = (has_min ? 2 : 1) * scale_bytes * kBlock;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t c = cols[i] % kBlock;
@@ -312,7 +314,7 @@ extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t 
       float* o = out + i * groups * kBlock + g * kBlock;
       for (int64_t f = 0; f < kBlock; ++f) {
         int v;
-        if (format == 8) {  // i8: [quad, col, 4]; else [feature, col]
+        if (int8_quants) {  // i8: [quad, col, 4]; else [feature, col]
           v = (int8_t)(i8 ? q[(f / 4) * kBlock * 4 + c * 4 + f % 4] : q[f * kBlock + c]);
         } else {  // nibbles: low for columns 0-15, high for 16-31
           const uint8_t b = i8 ? q[(f / 4) * kHalf * 4 + (c % kHalf) * 4 + f % 4]
@@ -320,7 +322,8 @@ extern "C" int adaserve_quant_columns(const uint8_t* packed, int64_t N, int64_t 
           v = c < kHalf ? (b & 15) : (b >> 4);
           if (format == 2) v -= 8;
         }
-        o[f] = has_min ? (float)v * d + m : (float)v * d;
+        if (format == 14) o[f] = (float)v * (f < kHalf ? d : m);
+        else o[f] = has_min ? (float)v * d + m : (float)v * d;
       }
     }
   }

@@ -17,7 +17,7 @@
 // layers): a quarter of the bytes to stream, converted to float in registers, while
 // the activations stay float32 (fbgemm's dynamic int8 quantizes them too).
 //
-// And it takes GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks as stored (Quant below), dequantized
+// And it takes GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as stored (Quant below), dequantized
 // exactly in registers once per feature and tile of rows, then the same FMA chains:
 // the bits of the float32 kernel over the GGUF's dequantized weights; or with the
 // activations quantized to int8 per group and integer dot products (QuantI8).
@@ -138,18 +138,28 @@ struct Dense {
 // products are exact in float32 (a float16 times a 6-bit integer), so it is laid out as
 // Q4_1 with those two as float32 scale and minimum (negated) in place of float16 ones:
 // still ggml's values bit for bit, from 6 bits a weight where the file has 4.5.
+//
+// Q6_K likewise (q6_k_blocks): a weight is (q - 32) * (d * sc) with 6-bit q and an int8
+// scale per 16 weights; d * sc is exact in float32 and so is its product with q - 32
+// (18 + 6 significant bits), so a group is laid out as Q8_0 with int8 quants q - 32 and
+// two float32 scales per column, the second for features 16-31 ("second head" below,
+// where Q4_1 keeps its minimum): 10 bits a weight where the file has 6.6.
 constexpr int64_t kGroup = 32;
-enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12 };  // ggml_type ids
+enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml_type ids
 
+// A second scale vector per column after the first: Q4_1's minimum, Q6_K's scale of
+// features 16-31.
 template <int F>
-constexpr bool kHasMin = F == kQ4_1 || F == kQ4_K;
+constexpr bool kHasMin = F == kQ4_1 || F == kQ4_K || F == kQ6_K;
 template <int F>
-constexpr int64_t kScaleBytes = F == kQ4_K ? 4 : 2;  // float32 or float16 scales
+constexpr int64_t kScaleBytes = F == kQ4_K || F == kQ6_K ? 4 : 2;  // float32 or float16
+template <int F>
+constexpr bool kInt8Quants = F == kQ8_0 || F == kQ6_K;  // else nibbles
 
 // The scales of kLanes columns from index i of a group's head.
 template <int F>
 inline vec load_scales(const uint8_t* head, int64_t i) {
-  if constexpr (F == kQ4_K) return vload((const float*)head + i);
+  if constexpr (kScaleBytes<F> == 4) return vload((const float*)head + i);
   else return vload_f16((const uint16_t*)head + i);
 }
 
@@ -157,7 +167,7 @@ template <int F>
 struct Quant {
   static constexpr bool kQuant = true;
   static constexpr bool kMin = kHasMin<F>;
-  static constexpr int64_t kQuantBytes = F == kQ8_0 ? kGroup * kBlock : kGroup * kBlock / 2;
+  static constexpr int64_t kQuantBytes = kInt8Quants<F> ? kGroup * kBlock : kGroup * kBlock / 2;
   static constexpr int64_t kHead = kScaleBytes<F> * kBlock * (kMin ? 2 : 1);
   static constexpr int64_t kBytes = kHead + kQuantBytes;  // per group
   const uint8_t* w;  // [blocks, K / 32, kBytes]
@@ -167,7 +177,7 @@ struct Quant {
   // The 32 dequantized weights of feature kk of a group, as kVecs vectors.
   static inline void weights(const uint8_t* q, int64_t kk, const vec* d, const vec* mn, vec* out) {
     vec qv[kVecs];
-    if constexpr (F == kQ8_0) {
+    if constexpr (kInt8Quants<F>) {
       const int8_t* p = (const int8_t*)q + kk * kBlock;
       vcvt_i8x16(_mm_loadu_si128((const __m128i*)p), qv);
       vcvt_i8x16(_mm_loadu_si128((const __m128i*)(p + 16)), qv + kVecs / 2);
@@ -175,7 +185,11 @@ struct Quant {
       vcvt_nibbles(q + kk * kBlock / 2, qv);
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) out[j] = F == kQ8_0 ? vmul(qv[j], d[j]) : vfma(qv[j], d[j], mn[j]);
+    for (int j = 0; j < kVecs; ++j) {
+      if constexpr (F == kQ8_0) out[j] = vmul(qv[j], d[j]);
+      else if constexpr (F == kQ6_K) out[j] = vmul(qv[j], kk < kGroup / 2 ? d[j] : mn[j]);
+      else out[j] = vfma(qv[j], d[j], mn[j]);
+    }
   }
 
   // Column block `blk` dequantized into out [K, 32] (Dense<float>'s layout), the same
@@ -340,9 +354,9 @@ struct RowQuant {
 
 template <int F>
 struct QuantI8 {
-  static constexpr bool kMin = F != kQ8_0;  // Q4_0 as a minimum of -8 d
+  static constexpr bool kMin = !kInt8Quants<F>;  // Q4_0 as a minimum of -8 d
   static constexpr int64_t kHead = kScaleBytes<F> * kBlock * (kHasMin<F> ? 2 : 1);
-  static constexpr int64_t kQuad = F == kQ8_0 ? 4 * kBlock : 2 * kBlock;  // bytes
+  static constexpr int64_t kQuad = kInt8Quants<F> ? 4 * kBlock : 2 * kBlock;  // bytes
   static constexpr int64_t kBytes = kHead + kGroup / 4 * kQuad;
   const uint8_t* w;
   const float* bias;
@@ -351,7 +365,7 @@ struct QuantI8 {
 
   // Which kLanes columns the j-th int vector of a quad holds, in units of kLanes.
   static constexpr int col(int j) {
-    if constexpr (F == kQ8_0 || kVecs == 2) return j;
+    if constexpr (kInt8Quants<F> || kVecs == 2) return j;
     else return (j & 1) * 2 + (j >> 1);  // AVX2 Q4: [lo 0-7, hi 16-23, lo 8-15, hi 24-31]
   }
 
@@ -366,7 +380,7 @@ struct QuantI8 {
     for (int64_t g = 0; g < G; ++g, p += kBytes) {
       for (int64_t off = 0; off < kBytes; off += 64)
         _mm_prefetch((const char*)(p + 2 * kBytes + off), _MM_HINT_T0);
-      ivec is[M][kVecs];
+      ivec is[M][kVecs], first[M][kVecs];  // first: Q6_K's sums over features 0-15
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
@@ -374,8 +388,19 @@ struct QuantI8 {
       const uint8_t* qp = p + kHead;
 #pragma GCC unroll 8
       for (int qd = 0; qd < kGroup / 4; ++qd, qp += kQuad) {
+        if constexpr (F == kQ6_K) {
+          if (qd == kGroup / 8) {  // the second half has its own scale
+#pragma GCC unroll 16
+            for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+              for (int j = 0; j < kVecs; ++j) {
+                first[m][j] = is[m][j];
+                is[m][j] = izero();
+              }
+          }
+        }
         ivec wv[kVecs], sg[kVecs];
-        if constexpr (F == kQ8_0) {
+        if constexpr (kInt8Quants<F>) {
 #pragma GCC unroll 4
           for (int j = 0; j < kVecs; ++j) {
             sg[j] = iload(qp + j * (kQuad / kVecs));
@@ -396,7 +421,7 @@ struct QuantI8 {
           const ivec xb = iset1(x4);
 #pragma GCC unroll 4
           for (int j = 0; j < kVecs; ++j)
-            is[m][j] = idot(is[m][j], wv[j], F == kQ8_0 ? isign8(xb, sg[j]) : xb);
+            is[m][j] = idot(is[m][j], wv[j], kInt8Quants<F> ? isign8(xb, sg[j]) : xb);
         }
       }
       vec dw[kVecs], mw[kVecs];
@@ -413,7 +438,13 @@ struct QuantI8 {
 #pragma GCC unroll 4
         for (int j = 0; j < kVecs; ++j) {
           float* a = acc[m] + kLanes * col(j);
-          vec v = vfma(vmul(dw[j], dx), icvt(is[m][j]), vload(a));
+          vec v = vload(a);
+          if constexpr (F == kQ6_K) {
+            v = vfma(vmul(dw[j], dx), icvt(first[m][j]), v);
+            v = vfma(vmul(mw[j], dx), icvt(is[m][j]), v);
+          } else {
+            v = vfma(vmul(dw[j], dx), icvt(is[m][j]), v);
+          }
           if constexpr (kMin) v = vfma(mw[j], sx, v);
           vstore(a, v);
         }
@@ -479,6 +510,7 @@ extern "C" int64_t adaserve_quant_group_bytes(int format) {
     case kQ4_1: return Quant<kQ4_1>::kBytes;
     case kQ8_0: return Quant<kQ8_0>::kBytes;
     case kQ4_K: return Quant<kQ4_K>::kBytes;
+    case kQ6_K: return Quant<kQ6_K>::kBytes;
     default: return 0;
   }
 }
@@ -493,6 +525,7 @@ extern "C" void adaserve_quant_linear(const float* x, int64_t M, int64_t K, cons
     case kQ4_1: return linear(Quant<kQ4_1>{w, bias, K}, x, M, N, y, threads);
     case kQ8_0: return linear(Quant<kQ8_0>{w, bias, K}, x, M, N, y, threads);
     case kQ4_K: return linear(Quant<kQ4_K>{w, bias, K}, x, M, N, y, threads);
+    case kQ6_K: return linear(Quant<kQ6_K>{w, bias, K}, x, M, N, y, threads);
   }
 }
 
@@ -504,6 +537,7 @@ extern "C" int64_t adaserve_quant_i8_group_bytes(int format) {
     case kQ4_1: return QuantI8<kQ4_1>::kBytes;
     case kQ8_0: return QuantI8<kQ8_0>::kBytes;
     case kQ4_K: return QuantI8<kQ4_K>::kBytes;
+    case kQ6_K: return QuantI8<kQ6_K>::kBytes;
     default: return 0;
   }
 }
@@ -517,5 +551,6 @@ extern "C" void adaserve_quant_i8_linear(const float* x, int64_t M, int64_t K, c
     case kQ4_1: return linear_i8<kQ4_1>(w, x, M, K, N, bias, y, threads);
     case kQ8_0: return linear_i8<kQ8_0>(w, x, M, K, N, bias, y, threads);
     case kQ4_K: return linear_i8<kQ4_K>(w, x, M, K, N, bias, y, threads);
+    case kQ6_K: return linear_i8<kQ6_K>(w, x, M, K, N, bias, y, threads);
   }
 }
