@@ -298,11 +298,15 @@ def k_quant_blocks(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     b = raw.numpy().reshape(-1, K_QUANT_BYTES[ggml_type])  # [super-blocks, bytes]
     n = b.shape[0]
     if ggml_type == Q6_K:
-        ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+        # 128 bytes of low 4 bits (per half of 128 weights, 64 bytes: weights 0-63 in
+        # the low nibbles, 64-127 in the high ones), 64 of high 2 bits (per half, 32
+        # bytes: weight 32 s + i in bits 2 s of byte i), 16 int8 scales (one per 16
+        # weights), float16 d.
+        low = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        high = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
             1, 1, 4, 1
         )
-        q = (ql & 15).reshape(n, 2, 128) | ((qh & 3).reshape(n, 2, 128) << 4)
+        q = (low & 15).reshape(n, 2, 128) | ((high & 3).reshape(n, 2, 128) << 4)
         quants = (q.reshape(n, 8, 32).astype(np.int16) - 32).astype(np.int8)
         d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [n, 1]
         scale = (d * b[:, 192:208].copy().view(np.int8).astype(np.float32)).reshape(n, 8, 2)
@@ -331,8 +335,9 @@ def k_quant_blocks(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
 def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
     """GGUF blocks of an [out, in] matrix, raw uint8 [out, in / 32 * block bytes], ->
     uint8 [ceil(out / block), in / 32, group bytes] (skinny_gemm.cpp's layout): per
-    block of output columns and group of 32 features, the columns' float16 scales, then
-    (Q4_1) minimums, then per feature the columns' quants, a nibble (byte j: column j
+    block of output columns and group of 32 features, the columns' scales (float16;
+    float32 for the transcoded K-quants), then (Q4_1, Q4_K) minimums or (Q6_K) second
+    scales, then per feature the columns' quants, a nibble (byte j: column j
     low, j + 16 high) or a byte each. Bytes are moved, never converted, so the values
     are the GGUF's own; zero-padded columns (scale 0) are zeros."""
     _, block_bytes, has_min = GGML_TYPES[ggml_type]
