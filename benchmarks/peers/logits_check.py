@@ -160,10 +160,13 @@ def tokenize(texts: list[tuple[str, str]]) -> list[list[int]]:
 # ---- llama.cpp -----------------------------------------------------------------------
 
 
-def llama_command(binary: Path, port: int, threads: int, extra: list[str]) -> list[str]:
+def llama_command(
+    binary: Path, port: int, threads: int, extra: list[str], gguf: Path | None = None
+) -> list[str]:
     # One slot, so one request at a time and the whole context for it; -lv 5 makes the
     # server log its system_info line (the ISA ggml was built for).
-    cmd = [str(binary), "-m", str(embedded_gguf()), "--host", "127.0.0.1", "--port", str(port)]
+    model = str(gguf or embedded_gguf())
+    cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port)]
     return [*cmd, "-t", str(threads), "-np", "1", "-c", "2048", "-lv", "5", *extra]
 
 
@@ -219,7 +222,7 @@ def llama_references(
     """llama.cpp's references for every prompt, and its system_info line; the server is
     stopped before adaserve loads (one computation on the shared CPU at a time)."""
     port = free_port()
-    cmd = llama_command(Path(args.llama_server), port, args.threads, args.llama_arg)
+    cmd = llama_command(Path(args.llama_server), port, args.threads, args.llama_arg, args.gguf)
     proc = start_process(cmd, f"http://127.0.0.1:{port}/health", log, 120)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -236,9 +239,14 @@ def llama_references(
 # ---- adaserve ------------------------------------------------------------------------
 
 
-def load(mode: str, threads: int) -> ModelRunner:
+def load(mode: str, threads: int, gguf: Path | None = None) -> ModelRunner:
     return load_runner(
-        "embedded", device="cpu", dtype="float32", kv_blocks=32, threads=threads, **MODES[mode]
+        str(gguf) if gguf else "embedded",
+        device="cpu",
+        dtype="float32",
+        kv_blocks=32,
+        threads=threads,
+        **MODES[mode],
     )
 
 
@@ -333,7 +341,7 @@ def run_check(args: argparse.Namespace, log: Path) -> dict:
     results, lps = [], {}
     with torch.inference_mode():
         for mode in args.modes:
-            runner = load(mode, args.threads)
+            runner = load(mode, args.threads, args.gguf)
             lps[mode] = [teacher_forced(runner, ref) for ref in refs]
             del runner  # one model in memory at a time
             results.append(judge(compare(mode, refs, lps[mode]), tol))
@@ -393,6 +401,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", help="llama-server binary (default: the build cache)")
     p.add_argument(
         "--llama-arg", action="append", default=[], help="an extra llama-server argument (repeat)"
+    )
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        help="another GGUF of the embedded model's tokenizer (default: the embedded file), "
+        "e.g. benchmarks/peers/kquant_gguf.py's K-quant copy",
     )
     p.add_argument("--out", help="write the report as JSON here (default: print only)")
     p.add_argument("--smoke", action="store_true", help="1 prompt, 4 positions")
