@@ -281,8 +281,8 @@ class ModelSettings(BaseModel):
     device: str = "auto"  # auto -> cuda if available else cpu
     served_name: str | None = None  # the `model` clients send; None -> derived from target
     # What the target's weights run as (adaserve/model/stored.py). "stored": a GGUF
-    # target's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensors as the file stores them, dequantized in
-    # registers by the packed CPU kernel (the same logits as "none", bit for bit, from a
+    # target's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensors as the file stores them,
+    # dequantized in registers by the packed CPU kernel (the same logits as "none", bit for bit, from a
     # sixth of the bytes for Q4_1; one-rank float32 CPU only, refused elsewhere).
     # "none": float32 (bfloat16 on a GPU) weights, the GGUF dequantized at conversion.
     # "int8": weight-only int8 per output feature on a CPU (logits change slightly; an

@@ -31,6 +31,7 @@ from adaserve.runner_target import RunnerTarget
 from adaserve.sampling import TokenRng
 from adaserve.scheduler import LocalScheduler
 from adaserve.speculate import BeamDrafter
+from benchmarks.peers.kquant_gguf import with_k_quant_down_projections
 from tests._engine import run_to_completion
 from tests._kernels import ISAS, RUNNABLE, logits_of, needs_kernel
 from tests._spec_loop import generate, random_budget
@@ -491,18 +492,6 @@ def test_speculation_on_the_stored_target_is_lossless(stored):
         assert stored.kv_usage() == 0.0 and draft.kv_usage() == 0.0
 
 
-def _kquant_gguf():
-    """benchmarks/peers/kquant_gguf.py, which writes the K-quant file (its quantizers)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "kquant_gguf.py"
-    spec = importlib.util.spec_from_file_location("kquant_gguf", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
 def test_a_k_quant_files_layers_are_served_as_stored(tmp_path, monkeypatch):
     """A GGUF with Q4_K and Q6_K tensors (the embedded file, its down projections
@@ -513,7 +502,7 @@ def test_a_k_quant_files_layers_are_served_as_stored(tmp_path, monkeypatch):
     src = embedded_gguf()
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    n = _kquant_gguf().with_k_quant_down_projections(src, model_dir / src.name)
+    n = with_k_quant_down_projections(src, model_dir / src.name)
     assert n == 30
     with single_thread():
         stored_runner = load_runner(

@@ -17,11 +17,11 @@ on the tree verified beside it. The result differs from MKL's in the last bits
 (another summation order), as any two BLAS do.
 
 The same kernel serves a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as stored
-(`QuantLinear`, `model.quantization: stored`, stored.py): blocks repacked at load
-(the K-quants' super-blocks transcoded to 32-weight blocks with float32 scales, exactly),
+(`QuantLinear`, `model.quantization: stored`, stored.py): blocks repacked at load (the
+K-quants' super-blocks transcoded to 32-weight blocks with float32 scales, exactly),
 dequantized exactly in registers, then the same FMA chains, so the same bits as
-PackedLinear over the GGUF's dequantized weights from a sixth (Q4_1) of the bytes; or, with activations
-"int8" (`model.stored_activations`), each row quantized per 32 features to int8 and
+PackedLinear over the GGUF's dequantized weights from a sixth (Q4_1) of the bytes; or,
+with activations "int8" (`model.stored_activations`), each row quantized per 32 features to int8 and
 integer dot products per block (skinny_gemm.cpp's QuantI8), as llama.cpp does.
 
 The same library holds the small per-layer ops (tree attention, RMSNorm) that
@@ -47,7 +47,7 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -255,26 +255,33 @@ class PackedLinear(_KernelLinear):
         self._b = None if self.bias is None else self.bias.data_ptr()
 
 
-# GGUF block types the kernel serves as stored: ggml_type id -> (name, bytes per block
-# of 32 weights as the kernel packs them, whether the block has a second scale vector
-# after its scale: Q4_1's and Q4_K's minimum, Q6_K's scale of weights 16-31). The
-# K-quants' 256-weight super-blocks are transcoded to 32-weight blocks first
-# (k_quant_blocks), with float32 scales: SCALE_BYTES.
+class BlockFormat(NamedTuple):
+    """How the kernel packs one GGUF block type (skinny_gemm.cpp's Quant and QuantI8)."""
+
+    name: str
+    block_bytes: int  # per 32 weights, as the kernel takes them
+    # A second scale vector after the first: Q4_1's and Q4_K's minimum, Q6_K's scale of
+    # weights 16-31.
+    second_head: bool
+    scale_bytes: int = 2  # float16 scales; float32 for the transcoded K-quants
+    int8_quants: bool = False  # one int8 per weight, else a nibble
+    # The file's bytes per 256-weight super-block, transcoded to 32-weight blocks at
+    # load (k_quant_blocks); 0: the file's blocks are the kernel's.
+    super_bytes: int = 0
+
+
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14  # ggml_type ids
+# GGUF block types the kernel serves as stored. Q4_K: d, dmin, 12 bytes of scales, 128
+# of quants; Q6_K: 128 bytes of low quant bits, 64 of high ones, 16 int8 scales, d.
 GGML_TYPES = {
-    2: ("Q4_0", 18, False),
-    3: ("Q4_1", 20, True),
-    8: ("Q8_0", 34, False),
-    12: ("Q4_K", 24, True),
-    14: ("Q6_K", 40, True),
+    Q4_0: BlockFormat("Q4_0", 18, False),
+    Q4_1: BlockFormat("Q4_1", 20, True),
+    Q8_0: BlockFormat("Q8_0", 34, False, int8_quants=True),
+    Q4_K: BlockFormat("Q4_K", 24, True, scale_bytes=4, super_bytes=144),
+    Q6_K: BlockFormat("Q6_K", 40, True, scale_bytes=4, int8_quants=True, super_bytes=210),
 }
-Q8_0, Q4_K, Q6_K = 8, 12, 14
-INT8_QUANTS = (Q8_0, Q6_K)  # one int8 per weight; the others a nibble
-SCALE_BYTES = {Q4_K: 4, Q6_K: 4}  # bytes of a block's scale; the others float16: 2
 GROUP = 32  # weights per GGUF block, along the input features
 QK_K = 256  # weights per K-quant super-block
-# Bytes of a super-block: Q4_K d, dmin, 12 of scales, 128 of quants; Q6_K 128 of low
-# quant bits, 64 of high ones, 16 int8 scales, d.
-K_QUANT_BYTES = {Q4_K: 144, Q6_K: 210}
 # What QuantLinear multiplies the stored blocks with: float32 activations (each weight
 # dequantized exactly: the fp32 kernel's bits) or int8 ones per block of 32 features
 # (ggml's Q8_1 quantization of each row, integer dot products per block).
@@ -295,7 +302,7 @@ def k_quant_blocks(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     from gguf.quants import Q4_K as Q4KQuant
 
     out = raw.shape[0]
-    b = raw.numpy().reshape(-1, K_QUANT_BYTES[ggml_type])  # [super-blocks, bytes]
+    b = raw.numpy().reshape(-1, GGML_TYPES[ggml_type].super_bytes)  # [super-blocks, bytes]
     n = b.shape[0]
     if ggml_type == Q6_K:
         # 128 bytes of low 4 bits (per half of 128 weights, 64 bytes: weights 0-63 in
@@ -340,15 +347,10 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tenso
     scales, then per feature the columns' quants, a nibble (byte j: column j
     low, j + 16 high) or a byte each. Bytes are moved, never converted, so the values
     are the GGUF's own; zero-padded columns (scale 0) are zeros."""
-    _, block_bytes, has_min = GGML_TYPES[ggml_type]
-    out = raw.shape[0]
-    groups = raw.shape[1] // block_bytes
-    blocks = -(-out // block)
-    padded = torch.zeros(blocks * block, groups, block_bytes, dtype=torch.uint8)
-    padded[:out] = raw.reshape(out, groups, block_bytes)
-    cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
-    parts, qs = _heads(cols, ggml_type, has_min)
-    if ggml_type in INT8_QUANTS:  # int8 per weight: [b, g, feature, col]
+    fmt = GGML_TYPES[ggml_type]
+    parts, qs = _heads(_columns(raw, fmt, block), fmt)
+    blocks, groups = qs.shape[:2]
+    if fmt.int8_quants:  # int8 per weight: [b, g, feature, col]
         parts.append(qs.transpose(2, 3).reshape(blocks, groups, GROUP * block))
     else:  # ggml: byte j holds weight j (low nibble) and j + 16 (high)
         q = torch.cat([qs & 15, qs >> 4], dim=3).transpose(2, 3)  # [b, g, feature, col]
@@ -358,17 +360,26 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tenso
     return torch.cat(parts, dim=2).contiguous()
 
 
-def _heads(
-    cols: torch.Tensor, ggml_type: int, has_min: bool
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Of blocks [b, g, col, bytes]: the columns' scales (and minimums), each
+def _columns(raw: torch.Tensor, fmt: BlockFormat, block: int) -> torch.Tensor:
+    """Blocks uint8 [out, groups * block bytes] as [column blocks, groups, column, bytes],
+    the columns zero-padded to whole blocks of `block`."""
+    out = raw.shape[0]
+    groups = raw.shape[1] // fmt.block_bytes
+    blocks = -(-out // block)
+    padded = torch.zeros(blocks * block, groups, fmt.block_bytes, dtype=torch.uint8)
+    padded[:out] = raw.reshape(out, groups, fmt.block_bytes)
+    return padded.view(blocks, block, groups, fmt.block_bytes).permute(0, 2, 1, 3)
+
+
+def _heads(cols: torch.Tensor, fmt: BlockFormat) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Of blocks [b, g, col, bytes]: the columns' scales (and second heads), each
     [b, g, col * scale bytes], and the quant bytes [b, g, col, rest]."""
     blocks, groups, block = cols.shape[:3]
-    sb = SCALE_BYTES.get(ggml_type, 2)
+    sb = fmt.scale_bytes
     parts = [cols[..., 0:sb].reshape(blocks, groups, sb * block)]
-    if has_min:
+    if fmt.second_head:
         parts.append(cols[..., sb : 2 * sb].reshape(blocks, groups, sb * block))
-    return parts, cols[..., (2 if has_min else 1) * sb :]
+    return parts, cols[..., (2 if fmt.second_head else 1) * sb :]
 
 
 def pack_gguf_i8(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Tensor:
@@ -377,19 +388,14 @@ def pack_gguf_i8(raw: torch.Tensor, ggml_type: int, block: int = 32) -> torch.Te
     then 8 quads of 4 features, each column's 4 quants adjacent (one int32 lane):
     Q4_* 64 bytes, byte b = column b // 4's nibble (low) and column 16 + b // 4's
     (high); Q8_0 128 bytes, byte b = column b // 4's int8. Bytes moved, not converted."""
-    _, block_bytes, has_min = GGML_TYPES[ggml_type]
     assert block == 32
-    out = raw.shape[0]
-    groups = raw.shape[1] // block_bytes
-    blocks = -(-out // block)
-    padded = torch.zeros(blocks * block, groups, block_bytes, dtype=torch.uint8)
-    padded[:out] = raw.reshape(out, groups, block_bytes)
-    cols = padded.view(blocks, block, groups, block_bytes).permute(0, 2, 1, 3)  # [b, g, col, B]
-    parts, qs = _heads(cols, ggml_type, has_min)
-    if ggml_type not in INT8_QUANTS:  # byte j: weight j (low nibble), j + 16 (high)
+    fmt = GGML_TYPES[ggml_type]
+    parts, qs = _heads(_columns(raw, fmt, block), fmt)
+    blocks, groups = qs.shape[:2]
+    if not fmt.int8_quants:  # byte j: weight j (low nibble), j + 16 (high)
         qs = torch.cat([qs & 15, qs >> 4], dim=3)  # [b, g, col, feature]
     quads = qs.reshape(blocks, groups, block, GROUP // 4, 4).transpose(2, 3)  # [b,g,quad,col,4]
-    if ggml_type not in INT8_QUANTS:
+    if not fmt.int8_quants:
         half = block // 2
         quads = quads[:, :, :, :half] | (quads[:, :, :, half:] << 4)
     parts.append(quads.reshape(blocks, groups, -1))
@@ -403,23 +409,23 @@ def unpack_gguf_columns(
     `i8`, pack_gguf_i8's), float32 [len(cols), in]: ggml's own arithmetic (q * d,
     (q - 8) * d, q * d + m in float32), so the GGUF's dequantized values bit for bit
     (an embedding lookup reads the tied head's blocks through this)."""
-    _, _, has_min = GGML_TYPES[ggml_type]
+    fmt = GGML_TYPES[ggml_type]
     n, groups = cols.numel(), packed.shape[1]
     at = torch.arange(n)
     g = packed[cols // block]  # [n, groups, bytes]
     c = cols % block
 
-    sb = SCALE_BYTES.get(ggml_type, 2)
+    sb = fmt.scale_bytes
 
     def heads(off: int) -> torch.Tensor:  # a scale per (col, group) -> [n, groups, 1]
         h = g[:, :, off : off + sb * block].contiguous()
         h = h.view(torch.float32 if sb == 4 else torch.float16)
         return h.view(n, groups, block)[at, :, c].float().unsqueeze(-1)
 
-    qoff = (2 if has_min else 1) * sb * block
+    qoff = (2 if fmt.second_head else 1) * sb * block
     half = block // 2
     qs = g[:, :, qoff:].contiguous()
-    if ggml_type in INT8_QUANTS:
+    if fmt.int8_quants:
         qs = qs.view(torch.int8)
         if i8:  # [n, groups, quad, col, 4]
             q = qs.view(n, groups, 8, block, 4)[at, :, :, c].reshape(n, groups, GROUP)
@@ -432,13 +438,13 @@ def unpack_gguf_columns(
             b = qs.reshape(n, groups, GROUP, half)[at, :, :, c % half]
         q = torch.where((c >= half).view(n, 1, 1), b >> 4, b & 15).to(torch.int16)
     d = heads(0)
-    if ggml_type == 2:
+    if ggml_type == Q4_0:
         w = (q - 8).float() * d
     elif ggml_type == Q6_K:  # weights 16-31 of a group have the second scale
         w = q.float() * torch.cat(
             [d.expand(-1, -1, half), heads(sb * block).expand(-1, -1, half)], -1
         )
-    elif has_min:
+    elif fmt.second_head:  # a minimum
         w = q.float() * d + heads(sb * block)
     else:
         w = q.float() * d
@@ -451,7 +457,8 @@ class QuantLinear(_KernelLinear):
     as PackedLinear over the GGUF's dequantized weights, so the same bits, from a sixth
     (Q4_1) to a quarter (Q8_0) of fp32's bytes (K-quants: 6 and 10 bits a weight,
     k_quant_blocks). `raw`: uint8 [out, in / 32 * block bytes] in GGUF row order
-    (K-quants: [out, in / 256 * super-block bytes], in a multiple of 256); `isa` as PackedLinear's. `activations` "int8": x's rows
+    (K-quants: [out, in / 256 * super-block bytes], in a multiple of 256); `isa` as
+    PackedLinear's. `activations` "int8": x's rows
     quantized per 32 features and integer dot products (pack_gguf_i8's layout), the
     result within that rounding, still independent of the rows beside each."""
 
@@ -467,10 +474,10 @@ class QuantLinear(_KernelLinear):
         super().__init__()
         lib = kernel(isa)
         block = lib.adaserve_skinny_block()
-        k_quant = ggml_type in K_QUANT_BYTES
-        if ggml_type not in GGML_TYPES or in_features % (QK_K if k_quant else GROUP):
+        fmt = GGML_TYPES.get(ggml_type)
+        if fmt is None or in_features % (QK_K if fmt.super_bytes else GROUP):
             raise ValueError(f"ggml type {ggml_type} with {in_features} input features")
-        if k_quant:
+        if fmt.super_bytes:
             raw = k_quant_blocks(raw, ggml_type)
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activations {activations!r} ({' | '.join(ACTIVATIONS)})")
@@ -492,7 +499,7 @@ class QuantLinear(_KernelLinear):
 
     @property
     def format(self) -> str:
-        return GGML_TYPES[self.ggml_type][0]
+        return GGML_TYPES[self.ggml_type].name
 
     def columns(self, cols: torch.Tensor) -> torch.Tensor:
         """Dequantized weights of output features `cols`, float32 [len(cols), in]."""

@@ -7,8 +7,8 @@ SmolLM2, where llama.cpp reads ~85 MB. Here every linear layer whose GGUF tensor
 Q4_0, Q4_1, Q8_0, Q4_K or Q6_K is swapped for a QuantLinear over the file's own blocks
 (cpu_gemm.py; dequantized in registers, never kept in float32; the K-quants'
 super-blocks transcoded at load to 32-weight blocks with float32 scales, the same
-values), and a tied embedding reads the LM head's blocks. Dequantization is exact, and the kernel runs the fp32 kernel's FMA
-chains, so with `model.stored_activations: float32` a `stored` model computes the same
+values), and a tied embedding reads the LM head's blocks. Dequantization is exact,
+and the kernel runs the fp32 kernel's FMA chains, so with `model.stored_activations: float32` a `stored` model computes the same
 logits as the `none` one on the packed kernel, bit for bit, from a sixth of the bytes.
 The default, `int8`, quantizes each token row per 32 features and takes integer dot
 products (as llama.cpp does; ~3x faster decode steps than float32, logits within that
@@ -42,6 +42,8 @@ import torch
 from adaserve.model.cpu_gemm import (
     GGML_TYPES,
     GROUP,
+    Q4_1,
+    Q8_0,
     QuantEmbedding,
     QuantLinear,
     packed_kernel_available,
@@ -200,10 +202,6 @@ def serve_stored(
         activations,
     )
     return formats
-
-
-# serve_int4's block formats: the GGUF types llama.cpp's Q4_1 files use.
-Q4_1, Q8_0 = 3, 8
 
 
 def quantize_blocks(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:

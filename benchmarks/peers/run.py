@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import platform
@@ -213,8 +212,6 @@ def start_server(name: str, args: argparse.Namespace, port: int, out: Path) -> s
 
 
 def vllm_imports(python: str) -> bool:
-    if python == sys.executable:
-        return importlib.util.find_spec("vllm") is not None
     try:
         check = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired):
