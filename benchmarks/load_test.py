@@ -52,6 +52,10 @@ engine:
   max_queue: {max_queue}
 slo:
   baseline_tpot_ms: 20.0
+# Every stream is checked under speculation: the model drafts for each request whatever
+# `auto` would judge its draft steps worth on a busy host (it sometimes chose none).
+speculation:
+  default_method: model
 """
 
 
