@@ -151,6 +151,12 @@ class SchedulerSettings(BaseModel):
     # the drafter does not ingest their prompts, unless one is behind its SLO
     # (engine/admission.py relaxed). True: every request is drafted for, as before.
     draft_relaxed: bool = False
+    # Policy adaserve: a request whose first token can no longer meet its TTFT SLO
+    # (prefilling its prompt alone would end past the deadline) is ordered from then on
+    # as one without a TTFT SLO, in admission and prefill, so requests that can still
+    # meet theirs go first (engine/admission.py defer_lost). Earliest-deadline-first
+    # under overload serves the requests already lost and makes the next ones late too.
+    defer_lost_ttft: bool = True
     # With a scheduler service (services.scheduler): `auto` sends a Select to it only
     # while it answers sooner than selecting in-process does (both measured, adaserve/
     # fallback.py). The engine waits for the answer either way, so a remote selection

@@ -209,6 +209,12 @@ best_effort_total = Counter(
     "Requests admitted best-effort (SLO unattainable)",
     ["slo_class"],
 )
+ttft_lost_total = Counter(
+    "adaserve_ttft_lost_requests_total",
+    "Requests whose first token could no longer meet the TTFT SLO, served after those "
+    "that still could (scheduler.defer_lost_ttft)",
+    ["slo_class"],
+)
 
 # Fleet: whether this unit can take more at its SLOs (autoscaling, routing dashboards).
 slo_pressure = Gauge(

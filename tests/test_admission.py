@@ -218,10 +218,16 @@ class _Clock:
         return self.t
 
 
-def _admission_order(target_dir, submits: list[tuple[float, GenerationRequest]]) -> list[str]:
+def _admission_order(
+    target_dir, submits: list[tuple[float, GenerationRequest]], defer_lost_ttft: bool = True
+) -> list[str]:
     """One running slot: the order in which requests (submitted at the given times, the
     first admitted alone, the clock then moving 10 ms a step) got their first token."""
-    settings = load_settings(None, engine={"kv_block_size": 16, "max_running": 1})
+    settings = load_settings(
+        None,
+        engine={"kv_block_size": 16, "max_running": 1},
+        scheduler={"defer_lost_ttft": defer_lost_ttft},
+    )
     runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=64)
     clock = _Clock()
     engine = Engine(
@@ -281,14 +287,44 @@ def test_a_tight_ttft_slo_is_admitted_ahead_of_relaxed_requests(target_dir) -> N
 
 def test_requests_without_slos_are_not_starved_by_later_tight_ones(target_dir) -> None:
     # A request without an SLO is due 10 s after arrival: past that, no newcomer is due
-    # before it, however tight its TTFT SLO.
-    order = _admission_order(
-        target_dir,
-        [
-            (0.0, _r("busy")),
-            (0.1, _r("old")),
-            (10.2, _r("tight-1", ttft_ms=50.0)),
-            (10.3, _r("tight-2", ttft_ms=50.0)),
-        ],
-    )
-    assert order == ["busy", "old", "tight-1", "tight-2"]
+    # before it, however tight its TTFT SLO. (tight-1's deadline passes while it
+    # waits, at 10.25 s: with defer_lost_ttft it then goes behind tight-2, due 15.3 s.)
+    submits = [
+        (0.0, _r("busy")),
+        (0.1, _r("old")),
+        (10.2, _r("tight-1", ttft_ms=50.0)),
+        (10.3, _r("tight-2", ttft_ms=5000.0)),
+    ]
+    assert _admission_order(target_dir, submits, defer_lost_ttft=False) == [
+        "busy",
+        "old",
+        "tight-1",
+        "tight-2",
+    ]
+    assert _admission_order(target_dir, submits) == ["busy", "old", "tight-2", "tight-1"]
+
+
+def test_a_request_whose_ttft_slo_is_lost_goes_behind_those_that_can_meet_theirs(
+    target_dir,
+) -> None:
+    # "late" waits past its TTFT deadline (0.15 s) behind the busy slot; "ontime"
+    # (deadline 5.2 s) can still meet its own. Earliest deadline first serves "late"
+    # first, which saves nothing; deferred, it is due as if it had no TTFT SLO (10.1 s),
+    # still ahead of a request without one that came after it.
+    submits = [
+        (0.0, _r("busy")),
+        (0.1, _r("late", ttft_ms=50.0)),
+        (0.2, _r("ontime", ttft_ms=5000.0)),
+        (0.3, _r("plain-after")),
+    ]
+    lost = metrics.ttft_lost_total.labels("custom")
+    before = lost._value.get()
+    assert _admission_order(target_dir, submits, defer_lost_ttft=False) == [
+        "busy",
+        "late",
+        "ontime",
+        "plain-after",
+    ]
+    assert lost._value.get() == before
+    assert _admission_order(target_dir, submits) == ["busy", "ontime", "late", "plain-after"]
+    assert lost._value.get() == before + 1

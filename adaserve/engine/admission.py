@@ -207,9 +207,10 @@ def _admit(eng: Engine) -> None:
     another's admission. The prompt's longest cached prefix is taken from the prefix
     cache here; admitted requests are prefilled in chunks by the next iterations."""
     pool = eng.pool
+    now = eng.clock()
+    defer_lost(eng, now)
     if not pool.waiting:
         return
-    now = eng.clock()
     pool.waiting.sort(key=lambda r: admission_order(eng, r, now))
     watermark = math.ceil(eng.settings.engine.kv_watermark * eng.target.num_blocks)
     # n > 1: a sibling waits until the prompt it shares is prefilled, then takes
@@ -238,6 +239,30 @@ def _admit(eng: Engine) -> None:
             metrics.prefix_cache_hits.inc(r.prefilled)
     metrics.num_running.set(len(pool.running))
     metrics.num_waiting.set(len(pool.waiting))
+
+
+def defer_lost(eng: Engine, now: float) -> None:
+    """Policy adaserve with `scheduler.defer_lost_ttft`: a request not yet started whose
+    first token can no longer meet its TTFT SLO (the deadline is nearer than prefilling
+    what is left of its prompt alone takes, in max_batch_tokens chunks) is due from
+    then on as if it had no TTFT SLO (UNSET_TTFT_ORDER_MS after its arrival), in the
+    waiting queue and among the prompts being prefilled, and counted in
+    adaserve_ttft_lost_requests_total. Its SLO is missed whatever happens next;
+    earliest-deadline-first would serve it before the prompts that can still meet
+    theirs and make them miss too (under overload, every one after it)."""
+    sched = eng.settings.scheduler
+    if sched.policy != "adaserve" or not sched.defer_lost_ttft:
+        return
+    cap = eng.settings.engine.max_batch_tokens
+    for r in [*eng.pool.waiting, *eng.pool.running.values()]:
+        if r.ttft_lost or r.num_generated > 0 or r.req.ttft_slo_ms is None:
+            continue
+        left = r.prefill_target - r.prefilled
+        alone_s = eng.latency.predict_ms(0, min(left, cap)) * math.ceil(left / cap) / 1000.0
+        if now + alone_s > r.ttft_deadline:
+            r.ttft_lost = True
+            r.ttft_deadline = max(r.ttft_deadline, r.arrival + UNSET_TTFT_ORDER_MS / 1000.0)
+            metrics.ttft_lost_total.labels(r.req.slo_class or "custom").inc()
 
 
 def admission_order(eng: Engine, r: Request, now: float) -> tuple[int, float, float, float]:

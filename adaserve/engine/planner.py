@@ -92,7 +92,7 @@ class _Split:
                 r.req.priority,
                 r.arrival * 1000.0,
                 r.prefilled,
-                r.req.ttft_slo_ms is not None and r.num_generated == 0,
+                r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost,
             )
             for r in prefilling
         ]
