@@ -147,9 +147,10 @@ class SchedulerSettings(BaseModel):
     yield_to_prefill: bool = True
     # Policy adaserve: False -> admitted beside requests with a TTFT SLO, requests whose TPOT
     # SLO plain decoding of a full batch meets (with prefill stretching every
-    # iteration) and whose prompt is at least their max_tokens are not drafted for, and
-    # the drafter does not ingest their prompts, unless one is behind its SLO
-    # (engine/admission.py relaxed). True: every request is drafted for, as before.
+    # iteration) and whose prompt costs the drafter more to ingest than drafts would
+    # save over their max_tokens are not drafted for, and the drafter does not ingest
+    # their prompts, unless one is behind its SLO (engine/admission.py relaxed). True:
+    # every request is drafted for.
     draft_relaxed: bool = False
     # Policy adaserve: a request whose first token can no longer meet its TTFT SLO
     # (prefilling its prompt alone would end past the deadline) is ordered from then on

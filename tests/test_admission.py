@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 
 from adaserve import metrics
+from adaserve.adaptive import plan_depth_width
 from adaserve.config import load_settings
 from adaserve.drafter import DraftUpdate
 from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainable
+from adaserve.engine.admission import drafts_cost_more
+from adaserve.engine.estimates import ALPHA
+from adaserve.methods import chain_tokens
 from adaserve.model.loader import load_runner
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.runner_target import RunnerTarget
@@ -328,3 +332,52 @@ def test_a_request_whose_ttft_slo_is_lost_goes_behind_those_that_can_meet_theirs
     assert lost._value.get() == before
     assert _admission_order(target_dir, submits) == ["busy", "ontime", "late", "plain-after"]
     assert lost._value.get() == before + 1
+
+
+def test_a_request_is_drafted_for_unless_its_prompt_costs_the_drafter_more_than_drafts_save(
+    target_dir,
+) -> None:
+    # drafts_cost_more: prompt x the drafter's ingest time per token against max_tokens
+    # x a full batch's plain time per request-token x (1 - 1/E). With the engine's
+    # own estimates (the ingest cost set here), the turning prompt length follows it.
+    engine = engine_with(
+        target_dir, drafter=BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32"))
+    )
+    shapes = [(150, 16), (170, 16), (170, 20)]
+    for prompt, max_tokens in shapes:
+        engine.submit(
+            GenerationRequest(
+                f"r{prompt}-{max_tokens}",
+                tuple(range(1, prompt + 1)),
+                SamplingParams(max_tokens=max_tokens),
+                tpot_slo_ms=1e5,
+            )
+        )
+    engine.step()  # all admitted
+    requests = [engine.pool.running[f"r{p}-{m}"] for p, m in shapes]
+    n = engine.settings.engine.max_running
+    adaptive = engine.settings.scheduler.adaptive
+    depth, _ = plan_depth_width(n, engine.settings.scheduler.budget, adaptive)
+    saved = engine.tspec.predict_ms(n) / n * (1.0 - 1.0 / chain_tokens(adaptive.acceptance, depth))
+    assert saved > 0.0
+    # Before the drafter has ingested anything its cost is unknown: drafted for.
+    engine.costs.drafter_ingest_ms = 0.0
+    assert not any(drafts_cost_more(engine, r) for r in requests)
+    engine.costs.drafter_ingest_ms = saved / 10.0  # a prompt token costs 1/10 of a saving
+    # 150 / 10 = 15 < 16 tokens' savings; 17 > 16; 17 < 20.
+    assert [drafts_cost_more(engine, r) for r in requests] == [False, True, False]
+
+
+def test_the_drafters_ingest_cost_is_measured_per_token_it_ingests(target_dir) -> None:
+    # Two prompts prefilled in one forward; the drafter ingests both (nothing is
+    # plain without a TTFT SLO beside them): its time per ingested token is learned
+    # from that forward, the same measurement as the per-prefill-token cost (an EWMA
+    # from 0, so ALPHA of it after one observation).
+    engine = engine_with(
+        target_dir, drafter=BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32"))
+    )
+    streams = [engine.submit(req(i, PROMPTS[i], 4, 1e5)) for i in range(2)]
+    engine.step()
+    assert engine.costs.drafter_ingest_ms > 0.0
+    assert engine.costs.drafter_ingest_ms * ALPHA == pytest.approx(engine.costs.ingest_ms)
+    run_to_completion(engine, streams)

@@ -19,8 +19,8 @@ from adaserve.drafter import DraftUpdate
 from adaserve.engine.contracts import Proposals, StepPlan
 from adaserve.engine.estimates import ALPHA
 from adaserve.engine.lifecycle import guard
-from adaserve.engine.planner import adaptive_settings, draftable
-from adaserve.engine.state import Request
+from adaserve.engine.planner import adaptive_settings
+from adaserve.engine.state import Request, draftable
 from adaserve.latency import ewma
 from adaserve.methods import (
     USES_NGRAM,

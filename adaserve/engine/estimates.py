@@ -50,6 +50,9 @@ class Costs:
     # The drafter's time per prompt token it ingests beside the target's prefill: part
     # of what a prefill token costs the iteration.
     ingest_ms: float = 0.0
+    # ... per prompt token it ingested (the plain requests' chunks it does not): what
+    # drafting for a request costs in prefill (admission.relaxed).
+    drafter_ingest_ms: float = 0.0
     # What decoding requests actually waited per token lately (iteration time, prefill
     # chunks and drafting included, over tokens emitted per request) and at what batch
     # size: calibrates the modelled TPOT curve routers read (Engine.load).

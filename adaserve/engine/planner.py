@@ -24,7 +24,7 @@ from adaserve.batching import (
 from adaserve.config import AdaptiveSettings
 from adaserve.engine.contracts import StepPlan
 from adaserve.engine.lifecycle import guard
-from adaserve.engine.state import Request
+from adaserve.engine.state import Request, draftable
 from adaserve.methods import USES_NGRAM, chain_tokens
 from adaserve.selection import RequestProgress
 from adaserve.slo import required_accepted
@@ -233,11 +233,6 @@ def iteration_ms(eng: Engine, tree_tokens: int, prefill_tokens: int, context: fl
     return eng.latency.predict_ms(tree_tokens, prefill_tokens, context) + (
         prefill_tokens * eng.costs.ingest_ms
     )
-
-
-def draftable(eng: Engine, r: Request) -> bool:
-    """Whether the model drafter drafts for `r` (and ingests its prompt)."""
-    return r.method in eng.uses_drafter and not (r.plain and not r.needs_drafts)
 
 
 def adaptive_settings(eng: Engine) -> AdaptiveSettings:

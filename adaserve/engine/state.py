@@ -23,6 +23,7 @@ from adaserve.stream import RequestStream
 from adaserve.target import LogitsContext
 
 if TYPE_CHECKING:
+    from adaserve.engine.core import Engine
     from adaserve.sampling import TokenRng
 
 
@@ -158,3 +159,8 @@ class RequestPool:
             for r in [*self.waiting, *self.running.values()]
             if r.prefilling
         )
+
+
+def draftable(eng: Engine, r: Request) -> bool:
+    """Whether the model drafter drafts for `r` (and ingests its prompt)."""
+    return r.method in eng.uses_drafter and not (r.plain and not r.needs_drafts)

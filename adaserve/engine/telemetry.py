@@ -11,7 +11,7 @@ import numpy as np
 from adaserve import metrics
 from adaserve.engine.contracts import IterationTiming, VerifyBatch
 from adaserve.engine.estimates import ALPHA
-from adaserve.engine.state import Request
+from adaserve.engine.state import Request, draftable
 from adaserve.latency import ewma
 from adaserve.methods import uses_drafter, uses_ngram
 from adaserve.routing import UnitLoad
@@ -42,8 +42,18 @@ def learn(eng: Engine, batch: VerifyBatch, timing: IterationTiming) -> bool:
     speculate_ms = (timing.drafted - timing.planned) * 1000.0
     drafting = plan.depth > 0 and bool(plan.drafted)
     if prefill and eng.drafter is not None and eng.drafter.ok:
-        ingest = max(speculate_ms - (costs.draft_ms if drafting else 0.0), 0.0) / prefill
-        costs.ingest_ms = ewma(costs.ingest_ms, ingest, ALPHA)
+        ingest_ms = max(speculate_ms - (costs.draft_ms if drafting else 0.0), 0.0)
+        costs.ingest_ms = ewma(costs.ingest_ms, ingest_ms / prefill, ALPHA)
+        # The drafter ingests the chunks of the requests it drafts for, not the plain
+        # ones (admission.relaxed): its cost per token it actually ingested.
+        ingested = sum(len(c.tokens) for r, c in plan.chunks if draftable(eng, r))
+        if ingested:
+            per_token = ingest_ms / ingested
+            costs.drafter_ingest_ms = (
+                ewma(costs.drafter_ingest_ms, per_token, ALPHA)
+                if costs.drafter_ingest_ms
+                else per_token
+            )
     elif drafting:
         costs.draft_ms = ewma(costs.draft_ms, speculate_ms, ALPHA)
     if prefill:
