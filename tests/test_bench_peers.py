@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.peers.run import FIXED_CHAIN, SERVERS
+
 REPO = Path(__file__).parents[1]
 RUN = REPO / "benchmarks" / "peers" / "run.py"
 
@@ -49,13 +51,7 @@ def test_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     assert {"date", "commit", "machine", "command", "settings", "rows"} <= set(data)
     assert data["machine"]["cores"] and "isa" in data["machine"]
     rows = {row["server"]: row for row in data["rows"]}
-    assert list(rows) == [
-        "llama-server",
-        "adaserve-aio",
-        "adaserve-separate",
-        "adaserve-plain",
-        "vllm",
-    ]
+    assert list(rows) == list(SERVERS)  # every server has a row, in order
     aio = rows["adaserve-aio"]
     assert aio["status"] == "ok", aio
     assert aio["tok_s"]["1"] > 0 and aio["tok_s"]["2"] > 0
@@ -64,6 +60,24 @@ def test_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     assert set(run["per_class"]) <= {"coding", "chat", "summarization"}
     assert rows["llama-server"]["status"].startswith("skipped")
     assert (out / "adaserve-aio" / "rps0.5" / "summary.json").is_file()
+
+
+def test_the_fixed_chain_server_is_the_simulators_spec_2(monkeypatch) -> None:
+    # adaserve-chain's environment over the shipped config: every request drafted 2
+    # tokens deep by the model drafter, all verified (policy global, a budget no batch
+    # reaches), as policies.py's spec-2.
+    from adaserve.config import load_settings
+    from adaserve.sim.policies import policy_spec
+
+    for k, v in FIXED_CHAIN.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings(REPO / "configs" / "embedded-cpu.yaml")
+    spec2 = policy_spec("spec-2", s.engine.max_running).overrides["scheduler"]
+    assert s.scheduler.policy == spec2["policy"] == "global"
+    assert s.scheduler.budget >= spec2["budget"]
+    a = s.scheduler.adaptive
+    assert (a.policy, a.fixed_depth, a.fixed_width) == ("fixed", 2, 1)
+    assert s.speculation.default_method == "model"
 
 
 def _env() -> dict[str, str]:

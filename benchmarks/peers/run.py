@@ -62,7 +62,14 @@ from _server import free_port, start_up, stop_up  # noqa: E402
 
 # The one chat prompt of the tokens/s measurement: 42 tokens in SmolLM2's chat template.
 PROMPT = "Write a Python function that checks whether a number is prime."
-SERVERS = ("llama-server", "adaserve-aio", "adaserve-separate", "adaserve-plain", "vllm")
+SERVERS = (
+    "llama-server",
+    "adaserve-aio",
+    "adaserve-separate",
+    "adaserve-plain",
+    "adaserve-chain",
+    "vllm",
+)
 LAYOUTS = {
     "llama-server": "1 process, `-t {threads} -np 8 -c {ctx}`",
     "adaserve-aio": "`up --all-in-one`: gateway + 1 verifier (drafter, scheduler in-process)",
@@ -70,9 +77,25 @@ LAYOUTS = {
     # the target alone costs (issue 32's "plain decode at 1 request" bar).
     "adaserve-plain": "`up --all-in-one`, `engine.speculation: false`",
     "adaserve-separate": "`up`: gateway, verifier, drafter, scheduler processes",
+    # A fixed chain (the simulator's spec-2, vLLM's speculative decoding with 2
+    # tokens): the same server, every request drafted 2 tokens deep by the model
+    # drafter, all verified, no SLO awareness (issue 34's real-server comparison).
+    "adaserve-chain": "`up --all-in-one`, a fixed chain of 2 drafted tokens, all verified",
     "vllm": "`vllm serve`, CPU backend",
 }
 CLASSES = ("coding", "chat", "summarization")
+# adaserve-chain's settings: policy global over a budget no batch reaches (every drafted
+# node verified), depth 2 whatever the load, the drafter's confidence stop off, the
+# model drafter for every request (policies.py's spec-K).
+FIXED_CHAIN = {
+    "ADASERVE_SCHEDULER__POLICY": "global",
+    "ADASERVE_SCHEDULER__BUDGET": "4096",
+    "ADASERVE_SCHEDULER__ADAPTIVE__POLICY": "fixed",
+    "ADASERVE_SCHEDULER__ADAPTIVE__FIXED_DEPTH": "2",
+    "ADASERVE_SCHEDULER__ADAPTIVE__FIXED_WIDTH": "1",
+    "ADASERVE_SCHEDULER__ADAPTIVE__DRAFT_STOP_PROB": "1e-9",
+    "ADASERVE_SPECULATION__DEFAULT_METHOD": "model",
+}
 DEFAULT_LLAMA_VERSION = "0.3.36"
 
 
@@ -184,13 +207,15 @@ def start_server(name: str, args: argparse.Namespace, port: int, out: Path) -> s
     if name.startswith("adaserve"):
         up = ["--target", "embedded", "--drafter", args.drafter, "--config", args.config]
         up += ["--metrics-port", "0"]
-        if name in ("adaserve-aio", "adaserve-plain"):
+        if name in ("adaserve-aio", "adaserve-plain", "adaserve-chain"):
             up.append("--all-in-one")
         # --smoke: a fixed baseline TPOT skips the startup measurements (baseline and
         # latency curve, minutes on a busy 2-core host)
         env = {"ADASERVE_SLO__BASELINE_TPOT_MS": "100"} if args.smoke else {}
         if name == "adaserve-plain":  # the environment wins over --config
             env["ADASERVE_ENGINE__SPECULATION"] = "false"
+        if name == "adaserve-chain":
+            env.update(FIXED_CHAIN)
         return start_up(up, port, log, env=env)
     if name == "llama-server":
         from adaserve.model.embedded import embedded_gguf
