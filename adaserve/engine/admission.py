@@ -255,12 +255,19 @@ def defer_lost(eng: Engine, now: float) -> None:
     if sched.policy != "adaserve" or not sched.defer_lost_ttft:
         return
     cap = eng.settings.engine.max_batch_tokens
+    # A whole chunk bounds every chunk's time (the latency model grows with the tokens):
+    # only a request within that bound of its deadline needs its own prediction, so
+    # a long queue costs one comparison a request.
+    chunk_s = eng.latency.predict_ms(0, cap) / 1000.0
     for r in [*eng.pool.waiting, *eng.pool.running.values()]:
         if r.ttft_lost or r.num_generated > 0 or r.req.ttft_slo_ms is None:
             continue
         left = r.prefill_target - r.prefilled
-        alone_s = eng.latency.predict_ms(0, min(left, cap)) * math.ceil(left / cap) / 1000.0
-        if now + alone_s > r.ttft_deadline:
+        chunks = math.ceil(left / cap)
+        slack_s = r.ttft_deadline - now
+        if slack_s >= chunk_s * chunks:
+            continue
+        if slack_s < eng.latency.predict_ms(0, min(left, cap)) * chunks / 1000.0:
             r.ttft_lost = True
             r.ttft_deadline = max(r.ttft_deadline, r.arrival + UNSET_TTFT_ORDER_MS / 1000.0)
             metrics.ttft_lost_total.labels(r.req.slo_class or "custom").inc()

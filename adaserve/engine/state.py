@@ -52,8 +52,8 @@ class Request:
     # Admitted while other prompts with a TTFT SLO waited, with a TPOT SLO plain
     # decoding meets (admission.relaxed): not drafted for unless behind (needs_drafts).
     plain: bool = False
-    # Its TTFT deadline passed before its first token (scheduler.defer_lost_ttft): its
-    # deadline now only orders it, as a request without a TTFT SLO.
+    # Its first token can no longer meet its TTFT SLO (scheduler.defer_lost_ttft): its
+    # deadline now only orders it, as a request without a TTFT SLO's does.
     ttft_lost: bool = False
     ngram_len: int = 0  # tokens the n-gram drafter holds
     method: str = "auto"  # speculation method asked for (adaserve/methods.py)
