@@ -18,6 +18,7 @@ from adaserve.adaptive import plan_depth_width
 from adaserve.batching import behind_tpot, hold_prompt
 from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.engine.lifecycle import finish, flush_releases, guard
+from adaserve.engine.planner import adaptive_settings
 from adaserve.engine.recovery import use_prefix_cache
 from adaserve.engine.state import Request
 from adaserve.features import FeatureRows
@@ -368,7 +369,7 @@ def drafts_cost_more(eng: Engine, r: Request) -> bool:
     drafter's prefill of its prompt (its measured time per prompt token it ingests)
     against its max_tokens at a full batch's plain time per request-token, of which
     a request drafted for saves 1 - 1/E (E: the tokens a verification emits at the
-    depth planned for a full batch, at the settings' acceptance). Before the drafter
+    depth planned for a full batch, at the planner's acceptance). Before the drafter
     has ingested a prompt its cost is unknown (0): drafted for. The ratio of prompt to
     output where this turns is ~6 on the H100 profile and ~20 on the A100 ones (a small
     drafter beside a large target); the rule before, prompt >= max_tokens, kept requests
@@ -376,7 +377,7 @@ def drafts_cost_more(eng: Engine, r: Request) -> bool:
     random sweep: median violations ratio 1.00 -> 1.07 on seed 1)."""
     settings = eng.settings.engine
     n = settings.max_running
-    adaptive = eng.settings.scheduler.adaptive
+    adaptive = adaptive_settings(eng)  # the learned acceptance where it is learned
     depth, _ = plan_depth_width(n, eng.settings.scheduler.budget, adaptive)
     saved_ms = eng.tspec.predict_ms(n) / n * (1.0 - 1.0 / chain_tokens(adaptive.acceptance, depth))
     ingest_ms = len(r.req.prompt_token_ids) * eng.costs.drafter_ingest_ms
