@@ -337,9 +337,10 @@ class GatewaySettings(BaseModel):
     # Sequences per prompt (n, and best_of) and prompts per /v1/completions request.
     max_n: PositiveInt = 16
     max_prompts: PositiveInt = 32
-    # Fields no OpenAI or vLLM schema adaserve knows: ignored (OpenAI's behaviour, so
-    # newer clients keep working) or refused with a 400 naming them. Known fields are
-    # always honoured or refused, never ignored.
+    # Fields no OpenAI or vLLM schema adaserve knows: ignored with a warning in the
+    # gateway's log naming them (vLLM's behaviour, so newer clients keep working) or
+    # refused with a 400 naming the first (OpenAI's). Known fields are always honoured
+    # or refused, never ignored.
     unknown_fields: Literal["ignore", "reject"] = "ignore"
     # Requests larger than these are refused (413 / 431) before they are parsed; the
     # body limit also caps the gRPC front's message size.

@@ -26,7 +26,7 @@ from adaserve.rpc.v1 import verifier_pb2 as vpb
 from gateway import spec as specs
 from gateway.auth import ApiKeys
 from gateway.core import Gateway
-from gateway.errors import APIError, from_grpc, from_validation
+from gateway.errors import APIError, from_grpc, from_validation, model_not_found
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schemas import (
@@ -164,25 +164,16 @@ def create_app(
         """OpenAI's model list, plus each model's max_model_len, `quantization` and `slo` (as in
         /v1/slo, from the first of its healthy units by address, with each class's TPOT
         the fleet's: what a request of that class is given, whichever unit serves it)."""
-        router: Router = request.app.state.gateway.router
-        seen: dict[str, vpb.InfoResponse] = {}
-        for unit in sorted(router.healthy(), key=lambda u: u.address):
-            if unit.info:
-                seen.setdefault(unit.info.served_model_name, unit.info)
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "adaserve",
-                "max_model_len": info.max_model_len,
-                # What the weights run as: "stored" (a GGUF's quantized blocks), "none", "int8".
-                "quantization": info.quantization or "none",
-                "slo": slo_info(info, router, name),
-            }
-            for name, info in sorted(seen.items())
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": model_cards(request.app.state.gateway.router)}
+
+    @app.get("/v1/models/{model:path}", responses=errors)
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        """OpenAI's model retrieval (`client.models.retrieve`): the model's entry of
+        /v1/models, or 404 `model_not_found` where no healthy unit serves it."""
+        for card in model_cards(request.app.state.gateway.router):
+            if card["id"] == model:
+                return card
+        raise model_not_found(model)
 
     @app.get("/v1/slo")
     async def slo(request: Request) -> dict[str, Any]:
@@ -257,6 +248,28 @@ def _fleet_classes(router: Router, model: str) -> dict[str, float]:
         if fleet is not None:
             out[name] = round(fleet[1], 3)
     return out
+
+
+def model_cards(router: Router) -> list[dict[str, Any]]:
+    """/v1/models' entries: each model a healthy unit serves, described by the first of
+    its units by address."""
+    seen: dict[str, vpb.InfoResponse] = {}
+    for unit in sorted(router.healthy(), key=lambda u: u.address):
+        if unit.info:
+            seen.setdefault(unit.info.served_model_name, unit.info)
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "adaserve",
+            "max_model_len": info.max_model_len,
+            # What the weights run as: "stored" (a GGUF's quantized blocks), "none", "int8".
+            "quantization": info.quantization or "none",
+            "slo": slo_info(info, router, name),
+        }
+        for name, info in sorted(seen.items())
+    ]
 
 
 def slo_info(

@@ -6,8 +6,8 @@ serving units (token limits, model names, SLO classes) and the refusal of featur
 adaserve does not offer happen in `gateway.spec`. Nothing the client sends is dropped
 without a word: every field of OpenAI's schema and every vLLM extra listed here is
 either honoured or refused with a 400 naming it (`refusal`); fields nobody knows are
-ignored, as OpenAI does (newer clients keep working), or refused with
-`gateway.unknown_fields: reject` (`unknown_fields`).
+ignored with a warning in the gateway's log, as vLLM does (newer clients keep working),
+or refused as OpenAI does, with `gateway.unknown_fields: reject` (`unknown_fields`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ knows the verifier's wire format.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import uuid
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from gateway.openai_schemas import (
 from gateway.tools import ToolPlan
 from gateway.tools import plan as tool_plan
 from services.common.convert import speculation_method_to_pb
+
+log = logging.getLogger(__name__)
 
 SLO_HEADER = "x-slo-tpot-ms"
 TTFT_HEADER = "x-slo-ttft-ms"
@@ -253,15 +256,21 @@ def check_fields(body: Any, settings: Settings) -> None:
 
 
 def check_unknown(body: Any, settings: Settings) -> None:
-    """A field no schema here knows, under `gateway.unknown_fields: reject`: 400."""
+    """Fields no schema here knows: under `gateway.unknown_fields: reject` a 400 naming
+    the first (OpenAI's answer); under `ignore` a warning in the gateway's log naming
+    them all (vLLM's), so an operator sees what a client sent that changed nothing."""
+    unknown = unknown_fields(body)
+    if not unknown:
+        return
     if settings.gateway.unknown_fields == "reject":
-        unknown = unknown_fields(body)
-        if unknown:
-            raise bad_request(
-                f"unknown field {unknown[0]!r} (gateway.unknown_fields is reject)",
-                param=unknown[0],
-                code="unknown_field",
-            )
+        raise bad_request(
+            f"unknown field {unknown[0]!r} (gateway.unknown_fields is reject)",
+            param=unknown[0],
+            code="unknown_field",
+        )
+    log.warning(
+        "request fields ignored (no schema adaserve knows has them): %s", ", ".join(unknown)
+    )
 
 
 def _structured(body: CompletionRequest | ChatCompletionRequest) -> Structured | None:

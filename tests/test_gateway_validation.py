@@ -17,20 +17,25 @@ import pytest
 
 from adaserve.rpc.v1 import gateway_pb2 as gpb
 from adaserve.rpc.v1 import gateway_pb2_grpc as ggrpc
-from tests._serving import REPO, free_port, start_gateway
+from tests._serving import REPO, Proc, free_port, start_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
     dead = free_port()  # nothing listens there
     proc, url = start_gateway(tmp_path_factory.mktemp("gw"), "--verifier", f"127.0.0.1:{dead}")
     try:
-        yield url
+        yield proc, url
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(gateway_proc: tuple[Proc, str]) -> str:
+    return gateway_proc[1]
 
 
 def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -260,10 +265,21 @@ def test_bad_slo_header_is_400(gateway: str, header: str, value: str) -> None:
     _assert_error(r, 400, param=header)
 
 
-def test_unknown_fields_are_ignored(gateway: str) -> None:
-    # Only routing fails (no unit), so validation accepted the body.
-    r = httpx.post(f"{gateway}/v1/chat/completions", json={**CHAT, "some_future_field": {"x": 1}})
+def test_unknown_fields_are_ignored_with_a_warning(gateway_proc: tuple[Proc, str]) -> None:
+    proc, gateway = gateway_proc
+    # Only routing fails (no unit), so validation accepted the body; the gateway's log
+    # names every field it ignored (vLLM's warning), nested ones by their path.
+    body = {**CHAT, "some_future_field": {"x": 1}}
+    body["messages"] = [{"role": "user", "content": "hi", "colour_hint": "red"}]
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body)
     _assert_error(r, 503)
+    log = proc.log_path.read_text(errors="replace")
+    line = next(x for x in log.splitlines() if "request fields ignored" in x)
+    assert "some_future_field" in line and "messages.0.colour_hint" in line
+    # A request with only known fields logs nothing of the kind.
+    _assert_error(httpx.post(f"{gateway}/v1/chat/completions", json=CHAT), 503)
+    after = proc.log_path.read_text(errors="replace")
+    assert after.count("request fields ignored") == log.count("request fields ignored")
 
 
 def test_unknown_route_and_method(gateway: str) -> None:

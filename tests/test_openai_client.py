@@ -128,6 +128,13 @@ def test_models(stack: Stack) -> None:
     # What the weights run as (model.quantization): a Hugging Face directory's are float32.
     (model,) = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
     assert model["quantization"] == "none"
+    # OpenAI's retrieval: the list's entry, and a 404 in OpenAI's shape for another name.
+    one = stack.client().models.retrieve("tiny")
+    assert one.id == "tiny" and one.model_dump(exclude_unset=True) == model
+    with pytest.raises(openai.NotFoundError) as missing:
+        stack.client().models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.body["param"] == "model"
 
 
 def test_slo_contract_is_published(stack: Stack) -> None:
