@@ -374,6 +374,21 @@ class ChatMessage(_Body):
     tool_call_id: str | None = Field(default=None, max_length=128)  # tool: which call
     refusal: str | None = None  # assistant: OpenAI echoes it back; kept as text
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        # Before the union is tried: an image or audio part would otherwise be reported
+        # as "content.str: Input should be a valid string", which names neither.
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: the served "
+                        "models take text only (parts of type 'text')"
+                    )
+        return content
+
     @property
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -282,6 +282,19 @@ def test_unknown_fields_are_ignored_with_a_warning(gateway_proc: tuple[Proc, str
     assert after.count("request fields ignored") == log.count("request fields ignored")
 
 
+def test_non_text_content_part_is_named(gateway: str) -> None:
+    """An image part in a chat message: a 400 naming the part's type, not the union's
+    first branch ("content.str: Input should be a valid string")."""
+    part = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body)
+    err = _assert_error(r, 400, param="messages.0.content")
+    assert "'image_url'" in err["message"] and "text only" in err["message"]
+    # Text parts still pass validation (routing fails: no unit).
+    text = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    _assert_error(httpx.post(f"{gateway}/v1/chat/completions", json=text), 503)
+
+
 def test_unknown_route_and_method(gateway: str) -> None:
     _assert_error(httpx.get(f"{gateway}/v1/nothing"), 404)
     _assert_error(httpx.get(f"{gateway}/v1/completions"), 405)
