@@ -16,7 +16,14 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -279,6 +286,15 @@ class _Common(_Body):
             if len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI and vLLM refuse it too: without a stream its include_usage would do
+        # nothing, and a field that changes nothing is not dropped without a word.
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
 
     @field_validator("request_id")
     @classmethod

@@ -67,6 +67,8 @@ def test_valid_request_without_units_is_503(gateway: str, path: str, body: dict)
 
 BAD = [
     ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat/completions", {**CHAT, "stream": False, "stream_options": {}}, "stream_options"),
     ("completions", {"prompt": "x", "max_tokens": 0}, None),  # 0 needs echo
     ("completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
