@@ -119,8 +119,15 @@ class ForwardLatency:
         self._log_drift = ewma(self._log_drift, math.log(extra / expected), self.alpha)
 
     def _marginal(self, tree_tokens: int, prefill_tokens: int, context: float) -> float:
+        """What the chunks add on `base`, never below 0: a measured curve need not rise
+        everywhere (a launch-bound GPU's is flat with noise, and a mixed-forward table
+        may extrapolate below the verify curve), and a chunk that seemed to make a
+        forward faster, times a large learned drift, predicted iterations of negative
+        length: the selection refused them and the iteration's requests failed."""
         full = self.base(tree_tokens, prefill_tokens, context)
-        return full - self.base(tree_tokens, 0, 0.0) if tree_tokens > 0 else full
+        if tree_tokens <= 0:
+            return full
+        return max(full - self.base(tree_tokens, 0, 0.0), 0.0)
 
 
 def ewma(mean: float, value: float, alpha: float) -> float:
