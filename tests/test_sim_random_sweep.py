@@ -166,6 +166,46 @@ def test_cli_runs_a_tiny_real_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert "--set scheduler.slo_budget=true`" in (out / "random_sweep.md").read_text()
 
 
+def test_set_all_changes_every_policys_deployment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--set-all reaches the workload itself (every policy and the rate search run it),
+    the draw is otherwise the same, a reused result drawn under other settings runs
+    again, and the table names it; a key no setting has is refused."""
+    plain = rs.draw_workload(2, 6, 5.0).model_dump(mode="json")
+    wider = rs.draw_workload(2, 6, 5.0, {"engine": {"max_batch_tokens": 2048}})
+    assert wider.settings["engine"] == {"max_running": 64, "max_batch_tokens": 2048}
+    assert {k: v for k, v in wider.model_dump(mode="json").items() if k != "settings"} == {
+        k: v for k, v in plain.items() if k != "settings"
+    }
+    seen: list[tuple[str, Any]] = []
+
+    def recording(workload, policy: str, rps: float, overrides=None) -> dict[str, Any]:
+        seen.append((policy, workload.settings["engine"].get("max_batch_tokens")))
+        return _fake_simulate(workload, policy, rps)
+
+    monkeypatch.setattr(rs, "_simulate", recording)
+    monkeypatch.setattr(rs, "find_rate", _quick_rate)
+    out = tmp_path / "out"
+    args = ["simulate", "--sweep", "random", "--n", "1", "--seed", "2", "--duration", "5"]
+    args += ["--policies", "adaserve,cb-priority", "--quiet", "--no-plots", "--out", str(out)]
+    assert main([*args, "--set-all", "engine.max_batch_tokens=2048"]) == 0
+    assert seen == [("adaserve", 2048), ("cb-priority", 2048)]
+    assert "--set-all engine.max_batch_tokens=2048" in (out / "random_sweep.md").read_text()
+    seen.clear()
+    reused = rs.run_random_sweep(
+        1,
+        2,
+        5.0,
+        ("adaserve", "cb-priority"),
+        progress=False,
+        reuse=json.loads((out / "random_sweep.json").read_text())["workloads"],
+    )
+    assert seen == [("adaserve", None), ("cb-priority", None)]  # drawn otherwise: all again
+    assert reused[0]["workload"] == rs.draw_workload(2, 0, 5.0).model_dump(mode="json")
+    assert main([*args, "--set-all", "engine.no_such_setting=1"]) == 2
+
+
 def _quick_rate(workload):
     rate = rs.initial_rate(workload) / 4
     return rate, {}, [{"rps": rate, "attainment": None}]

@@ -63,7 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="adaserve setting override, e.g. scheduler.budget=128 (repeatable)",
+        help="adaserve setting override, e.g. scheduler.budget=128 (repeatable); with "
+        "--sweep random, for policy adaserve's runs only",
+    )
+    p.add_argument(
+        "--set-all",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--sweep random: a setting for every policy's runs, the rate search's included "
+        "(another deployment), e.g. engine.max_batch_tokens=2048 (repeatable)",
     )
     p.add_argument(
         "--phase-window",
@@ -92,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             return _random_sweep(args)
         if not args.workload:
             raise ValueError("a workload YAML is required (except with --sweep random)")
+        if args.set_all:
+            raise ValueError("--set-all is for --sweep random (here --set reaches every policy)")
         workload = load_workload(args.workload)
         overrides = _parse_sets(args.set)
         if overrides:
@@ -184,6 +195,7 @@ def _random_sweep(args: argparse.Namespace) -> int:
     # --set applies to policy adaserve only: the baselines stay what they are, so a
     # candidate setting is measured against them (with --reuse, on the same traces).
     overrides = _parse_sets(args.set)
+    deployment = _parse_sets(args.set_all, "--set-all")
     reuse = []
     if args.reuse:
         reuse = json.loads(Path(args.reuse).read_text())["workloads"]
@@ -197,8 +209,10 @@ def _random_sweep(args: argparse.Namespace) -> int:
         reuse=reuse,
         partial=Path(args.out) / "random_sweep.partial.json",
         overrides=overrides,
+        deployment=deployment,
     )
-    sets = "".join(f" --set {kv}" for kv in args.set or ())
+    sets = "".join(f" --set-all {kv}" for kv in args.set_all or ())
+    sets += "".join(f" --set {kv}" for kv in args.set or ())
     header = (
         f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}"
         f"{sets}`" + (f" (adaserve re-run over `{args.reuse}`)" if args.reuse else "") + "\n"
@@ -215,13 +229,13 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
+def _parse_sets(items: list[str], option: str = "--set") -> dict[str, Any]:
     """`a.b=1` -> {"a": {"b": 1}}; values parsed as YAML scalars."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+            raise ValueError(f"{option} takes KEY=VALUE, got {item!r}")
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
@@ -230,7 +244,7 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     try:
         check_keys(out)
     except ValueError as exc:
-        raise ValueError(f"--set {exc}") from None
+        raise ValueError(f"{option} {exc}") from None
     return out
 
 

@@ -21,7 +21,9 @@ workload i of a seed is the same whatever N or the worker count):
   for an `on` share of each period, the rest at what keeps the mean), a third each;
 - the workload's engine settings are the defaults with `max_running` 64 and the
   profile's budget and cost cap (what `adaserve simulate` applies to any workload):
-  nothing is tuned to the draw.
+  nothing is tuned to the draw. `--set-all KEY=VALUE` changes a setting for every
+  policy, the rate search's included: the same draws on another deployment (e.g.
+  `engine.max_batch_tokens=2048`, vLLM's default on most GPUs, for the default 512).
 
 Each trace lasts the sweep's duration, or longer where the rate is low, to hold
 MIN_REQUESTS requests on average. The rate: bisection (in log rate) on the better of
@@ -102,9 +104,14 @@ def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
     return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
-def draw_workload(seed: int, index: int, duration_s: float = 60.0) -> Workload:
-    """Workload `index` of the space for `seed` (module docstring)."""
+def draw_workload(
+    seed: int, index: int, duration_s: float = 60.0, deployment: dict[str, Any] | None = None
+) -> Workload:
+    """Workload `index` of the space for `seed` (module docstring). `deployment`:
+    settings every policy runs with on top of the space's (`--set-all`), e.g. another
+    `engine.max_batch_tokens`; the draw itself does not change."""
     from adaserve.sim.costmodel import load_profile
+    from adaserve.sim.driver import merge_settings
 
     rng = np.random.default_rng([seed, index])
     profile_name = PROFILES[index % len(PROFILES)]
@@ -180,7 +187,7 @@ def draw_workload(seed: int, index: int, duration_s: float = 60.0) -> Workload:
             "seed": seed,
             "arrivals": arrivals,
             "classes": classes,
-            "settings": {"engine": {"max_running": 64}},
+            "settings": merge_settings({"engine": {"max_running": 64}}, deployment or {}),
         }
     )
 
@@ -346,6 +353,7 @@ def run_random_sweep(
     rerun: Sequence[str] = ("adaserve",),
     partial: Path | None = None,
     overrides: dict[str, Any] | None = None,
+    deployment: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One result per workload, in index order (the same for any worker count).
     `reuse`: the workloads of an earlier sweep's JSON; one drawn alike (same seed,
@@ -353,7 +361,9 @@ def run_random_sweep(
     `rerun`, so a change to policy adaserve alone re-runs only it, on the same traces.
     `partial`: a JSON file rewritten with the workloads done so far, in order.
     `overrides`: adaserve settings (`--set`) for policy adaserve's runs: a candidate
-    change measured on the sweep before it becomes a default."""
+    change measured on the sweep before it becomes a default. `deployment`: settings
+    for every policy's runs, the rate search's included (`--set-all`): the same sweep
+    on another deployment (a reused workload drawn under other settings runs again)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if "adaserve" not in policies:
@@ -361,7 +371,7 @@ def run_random_sweep(
     earlier = {r["name"]: r for r in reuse}
     tasks = []
     for i in range(n):
-        wl = draw_workload(seed, i, duration_s)
+        wl = draw_workload(seed, i, duration_s, deployment)
         old = earlier.get(wl.name)
         if old is not None and old["workload"] != wl.model_dump(mode="json"):
             old = None  # drawn differently (another duration or generator): run it all
