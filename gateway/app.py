@@ -167,7 +167,7 @@ def create_app(
         return {"object": "list", "data": model_cards(request.app.state.gateway.router)}
 
     @app.get("/v1/models/{model:path}", responses=errors)
-    async def model(model: str, request: Request) -> dict[str, Any]:
+    async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
         """OpenAI's model retrieval (`client.models.retrieve`): the model's entry of
         /v1/models, or 404 `model_not_found` where no healthy unit serves it."""
         for card in model_cards(request.app.state.gateway.router):

@@ -256,9 +256,10 @@ def defer_lost(eng: Engine, now: float) -> None:
     if sched.policy != "adaserve" or not sched.defer_lost_ttft:
         return
     cap = eng.settings.engine.max_batch_tokens
-    # A whole chunk bounds every chunk's time (the latency model grows with the tokens):
-    # only a request within that bound of its deadline needs its own prediction, so
-    # a long queue costs one comparison a request.
+    # A whole chunk bounds every chunk's time where the latency curve rises with the
+    # tokens: only a request within that bound of its deadline needs its own
+    # prediction, so a long queue costs one comparison a request. (Where a measured
+    # curve dips, a request is judged a few ms later, once inside the bound.)
     chunk_s = eng.latency.predict_ms(0, cap) / 1000.0
     for r in [*eng.pool.waiting, *eng.pool.running.values()]:
         if r.ttft_lost or r.num_generated > 0 or r.req.ttft_slo_ms is None:
