@@ -72,13 +72,27 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's response_format, and Text Generation Inference's grammar in it:
+    `{"type": "json", "value": schema}` (`json_object` with a `value` is the same, and is
+    what huggingface_hub's InferenceClient sends for a `json_schema` format) and
+    `{"type": "regex", "value": pattern}`."""
+
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: dict[str, Any] | str | None = None  # TGI's grammar: a schema or a pattern
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema is required when type is json_schema")
+        if self.value is not None and self.type in ("text", "json_schema"):
+            raise ValueError(f"value: a grammar for type json or regex, not {self.type}")
+        if self.type == "json" and self.value is None:
+            raise ValueError("value (a JSON schema) is required when type is json")
+        if self.type == "regex" and not isinstance(self.value, str):
+            raise ValueError("value (a regular expression) is required when type is regex")
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"json_schema: only with type json_schema, not {self.type}")
         return self
 
 

@@ -278,12 +278,15 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> Structured |
     guided_* fields or structured_outputs), or None."""
     found: list[Structured] = []
     if body.response_format is not None:
-        rf = body.response_format
-        if rf.type == "json_object":
-            found.append(Structured("json_object", field="response_format"))
+        rf, at = body.response_format, "response_format"
+        if rf.type == "regex" and isinstance(rf.value, str):
+            found.append(Structured("regex", rf.value, at))
+        elif rf.type in ("json", "json_object") and rf.value is not None:
+            found.append(Structured("json_schema", _schema_text(rf.value, f"{at}.value"), at))
+        elif rf.type == "json_object":
+            found.append(Structured("json_object", field=at))
         elif rf.type == "json_schema" and rf.json_schema is not None:
-            schema = json.dumps(rf.json_schema.schema_)
-            found.append(Structured("json_schema", schema, "response_format"))
+            found.append(Structured("json_schema", json.dumps(rf.json_schema.schema_), at))
     if body.guided_json is not None:
         found.append(
             Structured("json_schema", _schema_text(body.guided_json, "guided_json"), "guided_json")

@@ -103,6 +103,29 @@ BAD = [
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, None),
+    # TGI's grammar in response_format: a value for json / regex only, of the right kind.
+    ("chat/completions", {**CHAT, "response_format": {"type": "json"}}, "response_format"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "regex"}}, "response_format"),
+    (
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "regex", "value": {"type": "object"}}},
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "text", "value": "[a-z]+"}},
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json", "value": "{not json"}},
+        "response_format.value",
+    ),
+    (
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_object", "json_schema": {"schema": {}}}},
+        "response_format",
+    ),
     ("chat/completions", {**CHAT, "tool_choice": "required"}, None),  # no tools
     (
         "chat/completions",
@@ -202,6 +225,12 @@ ACCEPTED = [
     ("completions", {"prompt": "x", "skip_special_tokens": True, "length_penalty": 1.0}),
     ("completions", {"prompt": "x", "guided_decoding_backend": "guidance"}),
     ("completions", {"prompt": "x", "structured_outputs": {"regex": "[a-z]+"}}),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json", "value": {}}}),
+    ("chat/completions", {**CHAT, "response_format": {"type": "regex", "value": "[a-z]+"}}),
+    (
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_object", "value": '{"type": "object"}'}},
+    ),
     ("completions", {"prompt": "x", "user": "u", "service_tier": "auto", "store": False}),
     (
         "chat/completions",

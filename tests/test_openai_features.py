@@ -536,6 +536,40 @@ def test_regex_choice_and_json_object(stacks: Stacks) -> None:
     assert out.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
 
 
+def test_hugging_face_client_grammars(stacks: Stacks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's InferenceClient sends a `json_schema` response_format as TGI's
+    grammar, `{"type": "json_object", "value": schema}`; TGI's `json` and `regex`
+    grammars come as they are. Each is enforced (not a bare JSON object), and the
+    speculative stack gives the plain one's tokens, greedy and seeded."""
+    from huggingface_hub import InferenceClient, constants
+
+    # HF_HUB_OFFLINE (set for every test) makes the client refuse any URL, loopback
+    # included; these requests go to the stacks only.
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: False)
+    schema = SCHEMAS[0]
+    pattern = r"[A-Z][a-z]{2,5}-\d\d"
+    cases = [
+        ({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, schema),
+        ({"type": "json", "value": schema}, schema),
+        ({"type": "regex", "value": pattern}, None),
+    ]
+    for rf, expect in cases:
+        for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=7)):
+            spec, plain = (
+                InferenceClient(base_url=f"{s.url}/v1", timeout=120).chat_completion(
+                    MESSAGES, model="tiny", max_tokens=120, response_format=rf, **kw
+                )
+                for s in (stacks.spec, stacks.plain)
+            )
+            text = spec.choices[0].message.content
+            assert text == plain.choices[0].message.content, (rf, kw)
+            assert spec.choices[0].finish_reason == "stop", (rf, kw, text)
+            if expect is None:
+                assert __import__("re").fullmatch(pattern, text), text
+            else:
+                jsonschema.validate(json.loads(text), expect)
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 
