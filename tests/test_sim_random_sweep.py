@@ -58,7 +58,7 @@ def test_draws_stay_in_the_documented_space() -> None:
 
 
 def _fake_simulate(
-    workload, policy: str, rps: float, overrides: dict[str, Any] | None = None
+    workload, policy: str, rps: float, overrides: dict[str, Any] | None = None, trace_offset=0
 ) -> dict[str, Any]:
     """Attainment falling smoothly with the rate, capacity set by the workload's index,
     so the search's logic is tested without simulating."""
@@ -121,7 +121,9 @@ def test_sweep_is_deterministic_and_writes_table_and_plot(
     # reuse keeps every baseline run and the rate; only adaserve runs again
     calls: list[str] = []
 
-    def counting(workload, policy: str, rps: float, overrides=None) -> dict[str, Any]:
+    def counting(
+        workload, policy: str, rps: float, overrides=None, trace_offset=0
+    ) -> dict[str, Any]:
         calls.append(policy)
         return _fake_simulate(workload, policy, rps)
 
@@ -180,7 +182,7 @@ def test_set_all_changes_every_policys_deployment(
     }
     seen: list[tuple[str, Any]] = []
 
-    def recording(workload, policy: str, rps: float, overrides=None) -> dict[str, Any]:
+    def recording(workload, policy: str, rps: float, overrides=None, trace_offset=0) -> dict:
         seen.append((policy, workload.settings["engine"].get("max_batch_tokens")))
         return _fake_simulate(workload, policy, rps)
 
@@ -206,6 +208,44 @@ def test_set_all_changes_every_policys_deployment(
     assert main([*args, "--set-all", "engine.no_such_setting=1"]) == 2
 
 
+def test_fresh_trace_reruns_every_policy_against_the_baseline_chosen_before(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--fresh-trace K with --reuse: every policy runs again at the reused rate on the
+    trace seeded K further on (the real simulator: another trace, other results), the
+    rate search does not, and adaserve is also compared with the baseline that was best
+    on the reused trace. Without --reuse it is refused."""
+    monkeypatch.setattr(rs, "MIN_REQUESTS", 10)
+    monkeypatch.setattr(rs, "find_rate", _quick_rate)
+    out, again = tmp_path / "out", tmp_path / "again"
+    args = ["simulate", "--sweep", "random", "--n", "1", "--seed", "3", "--duration", "4"]
+    args += ["--policies", "adaserve,spec-2,cb-priority", "--quiet", "--no-plots"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert main([*args, "--fresh-trace", "5", "--out", str(again)]) == 2  # no --reuse
+    first = json.loads((out / "random_sweep.json").read_text())["workloads"]
+    monkeypatch.setattr(rs, "find_rate", lambda w: pytest.fail("the rate is reused"))
+    reuse = ["--reuse", str(out / "random_sweep.json")]
+    assert main([*args, *reuse, "--fresh-trace", "5", "--out", str(again)]) == 0
+    data = json.loads((again / "random_sweep.json").read_text())
+    (w,), (old,) = data["workloads"], first
+    assert w["rps"] == old["rps"] and w["trace_offset"] == 5
+    assert w["chosen_on_reused"] == old["best_baseline"]
+    ours, chosen = w["policies"]["adaserve"], w["policies"][old["best_baseline"]]
+    assert w["violations_ratio_chosen"] == (chosen["violations"] + 1) / (ours["violations"] + 1)
+    fresh = {p: (r["requests"], r["goodput"]) for p, r in w["policies"].items()}
+    assert fresh != {p: (r["requests"], r["goodput"]) for p, r in old["policies"].items()}
+    # each policy's fresh run is the simulator's on that trace, not the reused one
+    wl = rs.draw_workload(3, 0, 4.0)
+    assert rs._simulate(wl, "spec-2", w["rps"], None, 5) == w["policies"]["spec-2"]
+    assert data["summary"]["chosen"]["best_changed"] == int(
+        w["best_baseline"] != old["best_baseline"]
+    )
+    assert (
+        "against the baseline that was best on the reused one"
+        in (again / "random_sweep.md").read_text()
+    )
+
+
 def _quick_rate(workload):
     rate = rs.initial_rate(workload) / 4
     return rate, {}, [{"rps": rate, "attainment": None}]
@@ -220,7 +260,7 @@ def test_overrides_reach_policy_adaserve_only(monkeypatch: pytest.MonkeyPatch) -
     # adaserve's run gets it, with and without --reuse.
     seen: list[tuple[str, Any]] = []
 
-    def recording(workload, policy: str, rps: float, overrides=None) -> dict[str, Any]:
+    def recording(workload, policy: str, rps: float, overrides=None, trace_offset=0) -> dict:
         seen.append((policy, overrides))
         return _fake_simulate(workload, policy, rps)
 

@@ -48,6 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--sweep random: an earlier random_sweep.json of the same seed and duration; "
         "its rates and every policy's runs but adaserve's are kept (re-run adaserve only)",
     )
+    p.add_argument(
+        "--fresh-trace",
+        type=int,
+        default=0,
+        metavar="K",
+        help="--sweep random with --reuse: every policy again at the reused rates on fresh "
+        "traces (simulator seed + K), and adaserve against the baseline best on the reused "
+        "trace (the one a user who tuned on that traffic would run)",
+    )
     p.add_argument("--policies", help="comma-separated policies for --sweep")
     p.add_argument("--values", help="comma-separated sweep points (default: the workload's)")
     p.add_argument(
@@ -199,6 +208,8 @@ def _random_sweep(args: argparse.Namespace) -> int:
     reuse = []
     if args.reuse:
         reuse = json.loads(Path(args.reuse).read_text())["workloads"]
+    if args.fresh_trace and not args.reuse:
+        raise ValueError("--fresh-trace re-runs an earlier sweep: give it with --reuse")
     results = run_random_sweep(
         args.n,
         seed,
@@ -210,12 +221,22 @@ def _random_sweep(args: argparse.Namespace) -> int:
         partial=Path(args.out) / "random_sweep.partial.json",
         overrides=overrides,
         deployment=deployment,
+        fresh=args.fresh_trace,
     )
     sets = "".join(f" --set-all {kv}" for kv in args.set_all or ())
     sets += "".join(f" --set {kv}" for kv in args.set or ())
     header = (
         f"`adaserve simulate --sweep random --n {args.n} --seed {seed} --duration {duration:g}"
-        f"{sets}`" + (f" (adaserve re-run over `{args.reuse}`)" if args.reuse else "") + "\n"
+        f"{sets}`"
+        + (
+            f" (every policy on fresh traces, seed + {args.fresh_trace}, at the rates of "
+            f"`{args.reuse}`)"
+            if args.fresh_trace
+            else f" (adaserve re-run over `{args.reuse}`)"
+            if args.reuse
+            else ""
+        )
+        + "\n"
     )
     paths = write(results, Path(args.out), header)
     (Path(args.out) / "random_sweep.partial.json").unlink(missing_ok=True)  # now complete

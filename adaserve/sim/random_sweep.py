@@ -40,8 +40,12 @@ adaserve misses fewer; the +1 keeps workloads nobody misses on finite), goodput 
 adaserve's / the best's. And against `cb-priority` (the same engine not speculating):
 adaserve must attain at least as much. `--set KEY=VALUE` changes policy adaserve's
 settings only (with `--reuse`, over the same rates and traces): a candidate change is
-measured against the baselines as they are. Per workload the table also names the
-class where adaserve loses most to the best baseline (`worst_class`), with both
+measured against the baselines as they are. `--fresh-trace K` (with `--reuse`) runs
+every policy again at the reused rates on other traces (simulator seed + K): whether the
+comparison holds on traffic the rate search never saw, and adaserve against the
+baseline that was best on the reused trace (what a user who tuned on that traffic would
+deploy; the best of eight on one trace also wins part of its margin by chance). Per
+workload the table also names the class where adaserve loses most to the best baseline (`worst_class`), with both
 policies' TTFT and TPOT attainment there: which phase misses.
 """
 
@@ -227,12 +231,19 @@ def initial_rate(workload: Workload) -> float:
 
 
 def _simulate(
-    workload: Workload, policy: str, rps: float, overrides: dict[str, Any] | None = None
+    workload: Workload,
+    policy: str,
+    rps: float,
+    overrides: dict[str, Any] | None = None,
+    trace_offset: int = 0,
 ) -> dict[str, Any]:
     from adaserve.sim.driver import simulate
 
     duration = max(workload.duration_s, MIN_REQUESTS / rps)
-    s = simulate(workload, policy, rps=rps, duration_s=duration, overrides=overrides).summary
+    seed = workload.seed + trace_offset
+    s = simulate(
+        workload, policy, rps=rps, duration_s=duration, seed=seed, overrides=overrides
+    ).summary
     keep = (
         "policy",
         "rps",
@@ -290,24 +301,29 @@ def find_rate(
 
 def run_workload(
     args: tuple[
-        Workload, Sequence[str], dict[str, Any] | None, Sequence[str], dict[str, Any] | None
+        Workload, Sequence[str], dict[str, Any] | None, Sequence[str], dict[str, Any] | None, int
     ],
 ) -> dict[str, Any]:
     """One workload: the rate search, then every policy at the rate found. `reused`: this
     workload's result from an earlier sweep (same draw): its rate and every policy's
     run are kept but those in `rerun`. `ours`: settings for policy adaserve's run only
-    (the baselines and the rate search never see them)."""
-    workload, policies, reused, rerun, ours = args
+    (the baselines and the rate search never see them). `fresh` > 0: every policy runs
+    again at the reused rate on another trace (the simulator seed plus `fresh`), and the
+    result also says how adaserve does there against the baseline that was best on the
+    reused trace: the one a user who tuned on that traffic would run."""
+    workload, policies, reused, rerun, ours, fresh = args
     if reused is not None:
         rate, tried = reused["rps"], reused["search"]
-        runs = {p: r for p, r in reused["policies"].items() if p not in rerun}
+        runs = {} if fresh else {p: r for p, r in reused["policies"].items() if p not in rerun}
     else:
         rate, runs, tried = find_rate(workload)
     results = {
-        p: runs[p] if p in runs else _simulate(workload, p, rate, ours if p == "adaserve" else None)
+        p: runs[p]
+        if p in runs
+        else _simulate(workload, p, rate, ours if p == "adaserve" else None, fresh)
         for p in policies
     }
-    return {
+    out = {
         "name": workload.name,
         "profile": workload.profile,
         "description": workload.description,
@@ -317,6 +333,14 @@ def run_workload(
         "policies": results,
         **compare(results),
     }
+    if fresh and reused is not None:
+        chosen = reused["best_baseline"]
+        out["trace_offset"] = fresh
+        out["chosen_on_reused"] = chosen
+        out["violations_ratio_chosen"] = (results[chosen]["violations"] + 1) / (
+            results["adaserve"]["violations"] + 1
+        )
+    return out
 
 
 def compare(results: dict[str, dict[str, Any]], policy: str = "adaserve") -> dict[str, Any]:
@@ -354,6 +378,7 @@ def run_random_sweep(
     partial: Path | None = None,
     overrides: dict[str, Any] | None = None,
     deployment: dict[str, Any] | None = None,
+    fresh: int = 0,
 ) -> list[dict[str, Any]]:
     """One result per workload, in index order (the same for any worker count).
     `reuse`: the workloads of an earlier sweep's JSON; one drawn alike (same seed,
@@ -363,9 +388,12 @@ def run_random_sweep(
     `overrides`: adaserve settings (`--set`) for policy adaserve's runs: a candidate
     change measured on the sweep before it becomes a default. `deployment`: settings
     for every policy's runs, the rate search's included (`--set-all`): the same sweep
-    on another deployment (a reused workload drawn under other settings runs again)."""
+    on another deployment (a reused workload drawn under other settings runs again).
+    `fresh` > 0: every policy again, at the reused rates, on fresh traces (`run_workload`)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
+    if fresh < 0:
+        raise ValueError(f"--fresh-trace must be >= 1, got {fresh}")
     if "adaserve" not in policies:
         raise ValueError("the random sweep compares policy adaserve: include it")
     earlier = {r["name"]: r for r in reuse}
@@ -375,7 +403,9 @@ def run_random_sweep(
         old = earlier.get(wl.name)
         if old is not None and old["workload"] != wl.model_dump(mode="json"):
             old = None  # drawn differently (another duration or generator): run it all
-        tasks.append((wl, tuple(policies), old, tuple(rerun), overrides))
+        if fresh and old is None:
+            raise ValueError(f"--fresh-trace: {wl.name} is not in the reused sweep (drawn alike)")
+        tasks.append((wl, tuple(policies), old, tuple(rerun), overrides, fresh))
     from tqdm import tqdm
 
     bar = tqdm(total=n, desc="random sweep", disable=not progress, file=sys.stderr, leave=False)
@@ -409,7 +439,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if r.get("attainment_vs_cb_priority", 0.0) < 0.0
         or r.get("goodput_vs_cb_priority", 1.0) < 1.0
     ]
-    return {
+    out = {
         "workloads": len(results),
         "violations_ratio_median": float(np.median(v)),
         "violations_ratio_worst": float(min(v)),
@@ -419,6 +449,15 @@ def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "wins": sum(x > 1.0 for x in v),
         "losses": sum(x < 1.0 for x in v),
     }
+    chosen = [r["violations_ratio_chosen"] for r in results if "violations_ratio_chosen" in r]
+    if chosen:
+        out["chosen"] = {
+            "violations_ratio_median": float(np.median(chosen)),
+            "wins": sum(x > 1.0 for x in chosen),
+            "losses": sum(x < 1.0 for x in chosen),
+            "best_changed": sum(r["chosen_on_reused"] != r["best_baseline"] for r in results),
+        }
+    return out
 
 
 def worst_class(result: dict[str, Any]) -> str:
@@ -455,7 +494,16 @@ def markdown(results: Sequence[dict[str, Any]], header: str = "") -> str:
         f"{agg['goodput_ratio_worst']:.2f}. Below cb-priority (attainment or goodput): "
         f"{len(agg['below_cb_priority'])}"
         + (f" ({', '.join(agg['below_cb_priority'])})" if agg["below_cb_priority"] else "")
-        + ".",
+        + "."
+        + (
+            f" On this fresh trace, against the baseline that was best on the reused one "
+            f"(best here on {agg['workloads'] - agg['chosen']['best_changed']} of "
+            f"{agg['workloads']}): violations ratio median "
+            f"{agg['chosen']['violations_ratio_median']:.2f} (wins {agg['chosen']['wins']}, "
+            f"losses {agg['chosen']['losses']})."
+            if "chosen" in agg
+            else ""
+        ),
         "",
         "| workload | profile | req/s | best baseline | attainment adaserve / best / cb-priority "
         "| TTFT att. adaserve / cb-priority | violations ratio | goodput ratio "
