@@ -45,8 +45,8 @@ every policy again at the reused rates on other traces (simulator seed + K): whe
 comparison holds on traffic the rate search never saw, and adaserve against the
 baseline that was best on the reused trace (what a user who tuned on that traffic would
 deploy; the best of eight on one trace also wins part of its margin by chance). Per
-workload the table also names the class where adaserve loses most to the best baseline (`worst_class`), with both
-policies' TTFT and TPOT attainment there: which phase misses.
+workload the table also names the class where adaserve loses most to the best baseline
+(`worst_class`), with both policies' TTFT and TPOT attainment there: which phase misses.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def run_random_sweep(
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if fresh < 0:
-        raise ValueError(f"--fresh-trace must be >= 1, got {fresh}")
+        raise ValueError(f"--fresh-trace must be >= 1 (0: off), got {fresh}")
     if "adaserve" not in policies:
         raise ValueError("the random sweep compares policy adaserve: include it")
     earlier = {r["name"]: r for r in reuse}
