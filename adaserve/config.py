@@ -267,6 +267,14 @@ class SpeculationSettings(BaseModel):
 
     default_method: SpeculationMethod = "auto"
     ngram: NgramSettings = Field(default_factory=NgramSettings)
+    # The draft model reads at most this many of a prompt's last tokens (None: all of
+    # it). Its prefill of a long prompt is forward time every waiting prompt pays for,
+    # while its next-token guesses depend mostly on the recent context (MagicDec,
+    # arXiv 2408.11049, drafts long contexts from a window). The embedded drafter even
+    # agrees with its target more from the last 512 tokens of a ~3k-token prompt than
+    # from all of them (BENCHMARKS.md, "Long prompts"). Output stays the target's:
+    # only the drafts see less. Not for an EAGLE head, which reads the target's features.
+    draft_context: PositiveInt | None = 512
 
 
 class ServiceAddresses(BaseModel):

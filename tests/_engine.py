@@ -9,6 +9,7 @@ import torch
 from adaserve.config import load_settings
 from adaserve.engine import Engine
 from adaserve.model.loader import load_runner
+from adaserve.ngram import NgramDrafter
 from adaserve.request import GenerationRequest, SamplingParams
 from adaserve.runner_target import RunnerTarget
 from adaserve.scheduler import LocalScheduler
@@ -33,7 +34,7 @@ def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
 _HF: dict = {}
 
 
-def make_engine(target_dir, drafter_dir=None, **overrides) -> Engine:
+def make_engine(target_dir, drafter_dir=None, ngram: bool = False, **overrides) -> Engine:
     settings = load_settings(
         None,
         engine={
@@ -71,6 +72,7 @@ def make_engine(target_dir, drafter_dir=None, **overrides) -> Engine:
         drafter=drafter,
         scheduler=LocalScheduler(settings.scheduler),
         settings=settings,
+        ngram=NgramDrafter() if ngram else None,
     )
 
 

@@ -78,6 +78,9 @@ def test_the_fixed_chain_server_is_the_simulators_spec_2(monkeypatch) -> None:
     a = s.scheduler.adaptive
     assert (a.policy, a.fixed_depth, a.fixed_width) == ("fixed", 2, 1)
     assert s.speculation.default_method == "model"
+    # Its drafter reads whole prompts, as spec-2's (the window is adaserve's).
+    assert policy_spec("spec-2", 64).overrides["speculation"]["draft_context"] is None
+    assert s.speculation.draft_context >= 10**9
 
 
 def _env() -> dict[str, str]:

@@ -13,7 +13,7 @@ import torch
 from adaserve.cli import main as cli_main
 from adaserve.distill import measure
 from adaserve.distill.data import Sequences
-from adaserve.distill.generate import generate_all
+from adaserve.distill.generate import Continuation, generate_all
 from adaserve.distill.train import TrainConfig, Trainer, collate, lr_factor, make_batches
 from adaserve.distill.vocab import (
     continuation_counts,
@@ -180,6 +180,34 @@ def test_training_learns_and_resumes(teacher_data, tmp_path: Path) -> None:
         assert resumed.train_step(np.arange(4))["L1/kl"] < first
         with pytest.raises(ValueError, match="students"):
             Trainer({"other": init_student(teacher, 1)}, d2t, data, cfg2, tmp_path / "ckpt.pt")
+
+
+def _continuation(tokens: list[int]) -> Continuation:
+    rows = (len(tokens), 1)
+    return Continuation(tokens, torch.zeros(rows, dtype=torch.int32), torch.zeros(rows).half())
+
+
+def test_draft_matches_reading_a_prompts_tail(teacher_data) -> None:
+    # `context`: the drafter reads only the last N prompt tokens, exactly as if the
+    # prompts had been cut there (the serving setting speculation.draft_context);
+    # a window as long as every prompt changes nothing.
+    teacher, data = teacher_data
+    d2t, head = torch.arange(256), teacher.embed_tokens.weight
+    with single_thread():
+        student = init_student(teacher, 1)
+        full = measure.draft_matches(student, head, d2t, data)
+        wide = measure.draft_matches(student, head, d2t, data, context=64)
+        tail = measure.draft_matches(student, head, d2t, data, context=2)
+        seqs = [data.seq(i) for i in range(len(data))]
+        lens = [int(n) for n in data.prompt_lens]
+        cut = Sequences.build(
+            [s[max(n - 2, 0) : n].tolist() for s, n in zip(seqs, lens, strict=True)],
+            [_continuation(s[n:].tolist()) for s, n in zip(seqs, lens, strict=True)],
+        )
+        expected = measure.draft_matches(student, head, d2t, cut)
+    assert [m.tolist() for m in wide] == [m.tolist() for m in full]
+    assert [m.tolist() for m in tail] == [m.tolist() for m in expected]
+    assert [m.tolist() for m in tail] != [m.tolist() for m in full]  # prompts of 2-7
 
 
 def test_train_config_validation() -> None:

@@ -247,6 +247,7 @@ def test_measure_drafter_reports_each_drafter_on_the_same_continuations(tmp_path
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in picked))
     args = ["--prompts", str(prompts), "--max-new-tokens", "16", "--cost-steps", "0", "--json"]
+    args += ["--draft-context", "4", "100000"]
     out = subprocess.run(
         [
             sys.executable,
@@ -269,6 +270,13 @@ def test_measure_drafter_reports_each_drafter_on_the_same_continuations(tmp_path
     assert set(model["by_category"]) == set(ngram["by_category"]) == {"summarize", "chat"}
     assert 1.0 <= ngram["mean_emitted"] <= 5.0 and ngram["drafter"] == "ngram"
     assert ngram["drafter_ms_per_draft"] > 0
+    # --draft-context: the model drafter again, reading only each prompt's last N tokens,
+    # on the same continuations; a window longer than every prompt is the whole prompt.
+    windows = model["by_draft_context"]
+    assert windows["4"]["tokens"] == windows["100000"]["tokens"] == model["tokens"]
+    assert windows["100000"]["top1_agreement"] == model["top1_agreement"]
+    assert windows["4"]["top1_agreement"] < model["top1_agreement"]
+    assert "by_draft_context" not in ngram
 
 
 def test_longer_matches_are_trusted_more():

@@ -134,6 +134,10 @@ def test_policy_specs():
     assert policy_spec("spec", 16, k=5).name == "spec-5"
     assert policy_spec("specinfer", 8).expansion == SPECINFER_EXPANSION
     assert not policy_spec("cb", 8).speculative
+    # Only adaserve drafts from a prompt's tail; every baseline reads whole prompts.
+    for name in ("paper", "spec-2", "specinfer"):
+        assert policy_spec(name, 8).overrides["speculation"] == {"draft_context": None}
+    assert "speculation" not in policy_spec("adaserve", 8).overrides
     with pytest.raises(ValueError, match="unknown policy"):
         policy_spec("vllm", 8)
     with pytest.raises(ValueError, match="spec-K"):
@@ -235,3 +239,21 @@ def test_phase_windows_add_up_to_the_run_totals(tmp_path):
     assert "phase_windows" not in simulate(small_workload(), "adaserve").summary
     with pytest.raises(ValueError, match="phase window"):
         simulate(small_workload(), "adaserve", phase_window_s=0.0)
+
+
+def test_the_drafter_reads_only_a_prompts_tail_under_adaserve():
+    # speculation.draft_context: the drafter is sent only the last 64 tokens of each
+    # prompt (the summarization class's are ~600), then the tokens generated; every
+    # request still gets all its tokens.
+    wl = small_workload()
+    requests = wl.generate(wl.rps, wl.duration_s, wl.seed, 30.0)
+
+    def tokens_read(context: int | None) -> int:
+        res = simulate(wl, "adaserve", overrides={"speculation": {"draft_context": context}})
+        assert all(r.num_tokens == r.max_tokens for r in res.records)
+        (unit,) = res.units
+        return unit.drafter.tokens_read
+
+    outputs = sum(r.output_tokens for r in requests)
+    assert tokens_read(None) >= sum(r.prompt_tokens for r in requests)
+    assert tokens_read(64) <= sum(min(r.prompt_tokens, 64) for r in requests) + outputs

@@ -64,6 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time the drafter as the runtime runs it with model.drafter_quantization "
         "(the acceptance is always the fp32 drafter's)",
     )
+    p.add_argument(
+        "--draft-context",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also measure a draft model reading only the last N prompt tokens "
+        "(speculation.draft_context), one figure per N",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -96,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        if any(n < 1 for n in args.draft_context):
+            raise ValueError(f"--draft-context: every N must be >= 1, got {args.draft_context}")
         target_dir = resolve_model(args.target, "target")
         rows = _pick(read_prompt_file(args.prompts), args.limit, args.per_category)
         tok = load_tokenizer(args.target)
@@ -176,7 +187,7 @@ def _measure(
 ) -> dict:
     from adaserve.distill import measure
 
-    steps = None
+    steps, windows = None, {}
     if eagle_dir is not None:
         from adaserve.distill.eagle_measure import measure_eagle
 
@@ -201,6 +212,12 @@ def _measure(
         student, head, d2t = load_drafter(drafter_dir, target_dir)
         matches = measure.draft_matches(student, head, d2t, data)
         source = str(drafter_dir)
+        windows = {
+            str(n): measure.summarize(
+                measure.draft_matches(student, head, d2t, data, context=n), args.depth
+            ).as_dict()
+            for n in args.draft_context
+        }
     steps = steps or [measure.chain_steps(m, args.depth) for m in matches]
     overall = measure.summarize(matches, args.depth, steps)
     by_cat: dict[str, list] = defaultdict(list)
@@ -216,6 +233,8 @@ def _measure(
             for c, ms in sorted(by_cat.items())
         },
     }
+    if windows:
+        result["by_draft_context"] = windows
     if eagle_dir is not None:
         result["kind"] = "eagle"  # its cost is the serving side's (adaserve/eagle_drafter.py)
     elif name == "ngram":
@@ -251,6 +270,11 @@ def _print(name: str, result: dict, depth: int) -> None:
     for c, a in result["by_category"].items():
         print(
             f"  {c:<10} top-1 {a['top1_agreement']:.3f}  mean emitted {a['mean_emitted']:.3f}  ({a['tokens']} tokens)"
+        )
+    for n, a in result.get("by_draft_context", {}).items():
+        print(
+            f"  reading the last {n} prompt tokens: top-1 {a['top1_agreement']:.3f}  "
+            f"mean emitted {a['mean_emitted']:.3f}"
         )
     if "cost_ratio" in result:
         print(

@@ -75,14 +75,18 @@ def draft_matches(
     d2t: torch.Tensor,
     data: Sequences,
     batch: int = 16,
+    context: int | None = None,
 ) -> list[np.ndarray]:
     """Per sequence: bool [continuation length], whether the drafter's greedy token at
-    each continuation position equals the target's."""
+    each continuation position equals the target's. `context`: the drafter reads only
+    the last that many prompt tokens (the serving setting speculation.draft_context);
+    None: all of them."""
     device = head.device
     out: list[np.ndarray] = []
+    cut = [0 if context is None else max(int(n) - context, 0) for n in data.prompt_lens]
     for start in range(0, len(data), batch):
         idx = list(range(start, min(start + batch, len(data))))
-        seqs = [data.seq(i) for i in idx]
+        seqs = [data.seq(i)[cut[i] :] for i in idx]
         width = max(len(s) for s in seqs)
         ids = torch.zeros((len(idx), width), dtype=torch.long)
         for r, s in enumerate(seqs):
@@ -91,7 +95,7 @@ def draft_matches(
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             hidden = student(ids)
         for r, i in enumerate(idx):
-            pl, n = int(data.prompt_lens[i]), len(seqs[r])
+            pl, n = int(data.prompt_lens[i]) - cut[i], len(seqs[r])
             h = hidden[r, pl - 1 : n - 1]  # predicts tokens pl .. n-1
             pred = d2t[student.logits(h.float(), head.float()).argmax(-1)]
             out.append((pred == ids[r, pl:n]).cpu().numpy())

@@ -164,6 +164,11 @@ def _new_request(
         r.prompt_ids = np.asarray(req.prompt_token_ids, dtype=np.int32)
     if eng.feature_dim and r.method in USES_EAGLE:
         r.feats = FeatureRows(eng.feature_dim)
+    # The draft model's sequence starts at the prompt's last draft_context tokens (an
+    # EAGLE head reads the target's features of every position: all of them).
+    window = eng.settings.speculation.draft_context
+    if window is not None and not eng.feature_dim:
+        r.draft_start = r.drafter_len = max(len(req.prompt_token_ids) - window, 0)
     # An unattainable SLO (judged at submit; policy `best_effort`, as `reject`
     # refused it there) is served best-effort and flagged, not refused.
     if stream.verdict.best_effort:
@@ -367,7 +372,8 @@ def relaxed(eng: Engine, r: Request) -> bool:
 
 def drafts_cost_more(eng: Engine, r: Request) -> bool:
     """Whether drafting for `r` would cost more forward time than it saves: the
-    drafter's prefill of its prompt (its measured time per prompt token it ingests)
+    drafter's prefill of its prompt from its draft_start (its measured time per
+    prompt token it ingests)
     against its max_tokens at a full batch's plain time per request-token, of which
     a request drafted for saves 1 - 1/E (E: the tokens a verification emits at the
     depth planned for a full batch, at the planner's acceptance). Before the drafter
@@ -381,5 +387,5 @@ def drafts_cost_more(eng: Engine, r: Request) -> bool:
     adaptive = adaptive_settings(eng)  # the learned acceptance where it is learned
     depth, _ = plan_depth_width(n, eng.settings.scheduler.budget, adaptive)
     saved_ms = eng.tspec.predict_ms(n) / n * (1.0 - 1.0 / chain_tokens(adaptive.acceptance, depth))
-    ingest_ms = len(r.req.prompt_token_ids) * eng.costs.drafter_ingest_ms
+    ingest_ms = (len(r.req.prompt_token_ids) - r.draft_start) * eng.costs.drafter_ingest_ms
     return ingest_ms > r.req.sampling.max_tokens * saved_ms

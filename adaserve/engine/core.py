@@ -135,8 +135,8 @@ class Engine:
         self.scheduler = FallbackScheduler(
             scheduler, self.local_scheduler, settings.scheduler.remote_select
         )
-        self.drafter = self._wrap(drafter)
-        self.ngram = self._wrap(ngram)
+        self.drafter = self._wrap(drafter, self.draft_history)
+        self.ngram = self._wrap(ngram, self.history)
         self._wire_drafter(drafter)
         self.method_stats = {source: SourceStats() for source in SOURCES}
         # Per level, where it proposes: whether verifying its trees pays under load.
@@ -188,13 +188,13 @@ class Engine:
         self.quarantine = Quarantine()
         self.carrying: list[Request] | None = None
 
-    def _wrap(self, drafter: Drafter | None) -> FallbackDrafter | None:
+    def _wrap(
+        self, drafter: Drafter | None, history: Callable[[str], list[int]]
+    ) -> FallbackDrafter | None:
         if drafter is None or not self.settings.engine.speculation:
             return None
         # The clock through a lambda: the engine's may be replaced after construction.
-        return FallbackDrafter(
-            drafter, self.history, self.target.vocab_size, clock=lambda: self.clock()
-        )
+        return FallbackDrafter(drafter, history, self.target.vocab_size, clock=lambda: self.clock())
 
     def _wire_drafter(self, drafter: Drafter | None) -> None:
         """The unit's drafter is a draft model or an EAGLE head (its `kind`): the head
@@ -367,8 +367,14 @@ class Engine:
         return held
 
     def history(self, request_id: str) -> list[int]:
-        """A running request's committed tokens (the drafter re-sync reads them)."""
+        """A running request's committed tokens (the n-gram drafter's re-sync reads
+        them)."""
         return self.pool.running[request_id].tokens
+
+    def draft_history(self, request_id: str) -> list[int]:
+        """The same as the draft model reads them (its re-sync): from draft_start."""
+        r = self.pool.running[request_id]
+        return r.tokens[r.draft_start :]
 
     def start(self, executor: Executor | None = None) -> None:
         """Run the loop on a thread of its own, or on `executor` (the services pass the

@@ -61,11 +61,11 @@ def retire(eng: Engine, r: Request, reason: str) -> None:
 
 def release_drafts(eng: Engine, r: Request) -> None:
     """Drops the request's state in the drafters (batched: `flush_releases` sends)."""
-    if eng.drafter is not None and r.drafter_len:
+    if eng.drafter is not None and r.drafter_len > r.draft_start:
         eng.drafter.release([r.req.id])
     if eng.ngram is not None and r.ngram_len:
         eng.ngram.release([r.req.id])
-    r.drafter_len = r.ngram_len = 0
+    r.drafter_len, r.ngram_len = r.draft_start, 0
     if r.feats is not None:  # the recompute that follows computes them again
         r.feats = FeatureRows(eng.feature_dim)
 

@@ -45,7 +45,10 @@ class Request:
     # Tokens to hold before decoding: the prompt; after a preemption every token but the
     # last, which roots the next tree again (recompute, not swap).
     prefill_target: int = 0
-    drafter_len: int = 0  # tokens the drafter holds as committed
+    drafter_len: int = 0  # tokens the drafter holds as committed, from draft_start
+    # The first token the draft model reads (speculation.draft_context): its sequence
+    # is tokens[draft_start:], and the lengths it is sent count from there.
+    draft_start: int = 0
     # Policy adaserve, `scheduler.draft_relaxed` off: the request's TPOT so far is above
     # its SLO (batching.behind_tpot), so it is drafted for even if relaxed.
     needs_drafts: bool = False

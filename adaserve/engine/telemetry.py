@@ -45,8 +45,13 @@ def learn(eng: Engine, batch: VerifyBatch, timing: IterationTiming) -> bool:
         ingest_ms = max(speculate_ms - (costs.draft_ms if drafting else 0.0), 0.0)
         costs.ingest_ms = ewma(costs.ingest_ms, ingest_ms / prefill, ALPHA)
         # The drafter ingests the chunks of the requests it drafts for, not the plain
-        # ones (admission.relaxed): its cost per token it actually ingested.
-        ingested = sum(len(c.tokens) for r, c in plan.chunks if draftable(eng, r))
+        # ones (admission.relaxed), nor a chunk's tokens before the request's
+        # draft_start: its cost per token it actually ingested.
+        ingested = sum(
+            min(len(c.tokens), c.start + len(c.tokens) - r.draft_start)
+            for r, c in plan.chunks
+            if draftable(eng, r) and c.start + len(c.tokens) > r.draft_start
+        )
         if ingested:
             per_token = ingest_ms / ingested
             costs.drafter_ingest_ms = (

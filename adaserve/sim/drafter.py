@@ -39,6 +39,7 @@ class SimDrafter:
         self._len: dict[str, int] = {}  # committed tokens this drafter holds per request
         self._last: dict[str, int] = {}
         self.draft_log: list[tuple[float, float]] = []  # (simulated start s, ms) per call
+        self.tokens_read = 0  # committed tokens sent to it (prompt chunks included)
 
     def speculate(
         self, updates: list[DraftUpdate], depth: int, width: int, stop_prob: float = 0.0
@@ -56,6 +57,7 @@ class SimDrafter:
             if len(u.new_tokens):
                 self._last[u.id] = int(u.new_tokens[-1])
             new_tokens += len(u.new_tokens)
+        self.tokens_read += new_tokens
         drafting = [u for u in updates if not u.ingest] if depth >= 1 else []
         start = self.clock.now
         # Forward 1 reads the new tokens (prompt chunks being ingested included);

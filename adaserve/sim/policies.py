@@ -12,6 +12,9 @@ All policies run through the same engine and the same selection code:
   verified: no budget awareness.
 - `cb`: continuous batching without speculation (vLLM / Sarathi-Serve style decode).
 - `cb-priority`: `cb`, tight-SLO requests admitted first (the engine's `priority`).
+
+Every policy but adaserve drafts from whole prompts (`speculation.draft_context` None),
+as the systems and papers they stand for do.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ POLICY_NAMES = (
     "cb-priority",
 )
 SELECTION_POLICIES = ("adaserve", "paper", "equal", "global")
+# The baselines' drafters read every prompt token, as vLLM's and the papers' do: the
+# drafter's context window (speculation.draft_context) is adaserve's.
+FULL_CONTEXT: dict[str, Any] = {"speculation": {"draft_context": None}}
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,10 @@ def policy_spec(name: str, max_running: int, k: int | None = None) -> PolicySpec
         if not 1 <= depth <= 16:
             raise ValueError(f"spec-K needs 1 <= K <= 16, got {depth}")
         return _static(name, depth, 1, max_running * (depth + 1))
-    if name in SELECTION_POLICIES:
+    if name == "adaserve":
         return PolicySpec(name, {"scheduler": {"policy": name}})
+    if name in SELECTION_POLICIES:
+        return PolicySpec(name, {"scheduler": {"policy": name}, **FULL_CONTEXT})
     if name == "specinfer":
         nodes = _expansion_nodes(SPECINFER_EXPANSION)
         spec = _static(
@@ -84,6 +92,7 @@ def _static(name: str, depth: int, width: int, budget: int) -> PolicySpec:
     return PolicySpec(
         name,
         {
+            **FULL_CONTEXT,
             "scheduler": {
                 "policy": "global",
                 "budget": budget,
@@ -95,7 +104,7 @@ def _static(name: str, depth: int, width: int, budget: int) -> PolicySpec:
                     "d_max": depth,
                     "w_max": width,
                 },
-            }
+            },
         },
     )
 

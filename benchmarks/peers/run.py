@@ -86,8 +86,10 @@ LAYOUTS = {
 CLASSES = ("coding", "chat", "summarization")
 # adaserve-chain's settings: policy global over a budget no batch reaches (every drafted
 # node verified), depth 2 whatever the load, the drafter's confidence stop off, the
-# model drafter for every request (policies.py's spec-K).
+# model drafter for every request, reading every prompt token (policies.py's spec-K: the
+# drafter's context window is adaserve's, a vLLM chain has none).
 FIXED_CHAIN = {
+    "ADASERVE_SPECULATION__DRAFT_CONTEXT": str(10**9),
     "ADASERVE_SCHEDULER__POLICY": "global",
     "ADASERVE_SCHEDULER__BUDGET": "4096",
     "ADASERVE_SCHEDULER__ADAPTIVE__POLICY": "fixed",
