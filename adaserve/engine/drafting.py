@@ -155,27 +155,23 @@ def _draft(
     them) and ingesting the prompt `chunks`."""
     if drafter is None:
         return {}
-    # Lengths count from the first token the drafter reads (draft_start; the n-gram
-    # drafter and an EAGLE head read every token).
-    start: dict[str, int] = {}
     if drafter is eng.drafter and eng.feature_dim:
         updates = _eagle_updates(eng, requests, chunks)
     else:
-        start = {r.req.id: _start(r, synced) for r in requests}
         updates = [
             DraftUpdate(
                 r.req.id,
                 np.asarray(r.tokens[getattr(r, synced) :], np.int32),
-                len(r.tokens) - start[r.req.id],
+                len(r.tokens) - _start(r, synced),
             )
             for r in requests
         ]
         for r, c in chunks:
-            end, start[r.req.id] = c.start + len(c.tokens), _start(r, synced)
-            if end <= start[r.req.id]:
+            end = c.start + len(c.tokens)
+            if end <= _start(r, synced):
                 continue  # a chunk before the drafter's window
             new = np.asarray(r.tokens[getattr(r, synced) : end], np.int32)
-            updates.append(DraftUpdate(r.req.id, new, end - start[r.req.id], ingest=True))
+            updates.append(DraftUpdate(r.req.id, new, end - _start(r, synced), ingest=True))
     if not updates:
         return {}
     trees = drafter.speculate(updates, depth, width, stop_prob)
@@ -186,7 +182,7 @@ def _draft(
         if u.id in lost:
             continue
         r = eng.pool.running[u.id]
-        setattr(r, synced, u.total_len + start.get(u.id, 0))
+        setattr(r, synced, u.total_len + _start(r, synced))
         if u.hidden is not None and r.feats is not None:
             r.feats.drop_before(u.total_len - 1)  # the next token's row stays
     eng.recompute |= lost
@@ -196,7 +192,9 @@ def _draft(
 
 
 def _start(r: Request, synced: str) -> int:
-    """Where the drafter named by `synced` starts reading the request's tokens."""
+    """Where the drafter named by `synced` starts reading the request's tokens: the
+    lengths it is sent count from there (draft_start, 0 for an EAGLE head; the n-gram
+    drafter reads every token)."""
     return r.draft_start if synced == "drafter_len" else 0
 
 
