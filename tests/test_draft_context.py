@@ -122,3 +122,17 @@ def test_prompts_within_the_window_are_read_whole(target_dir) -> None:
     assert list(first.new_tokens[:3]) == prompt and np.all(
         [u.total_len <= len(prompt) + NEW_TOKENS for u in recording.updates]
     )
+
+
+def test_a_prompt_served_from_the_prefix_cache_drafts_from_its_window(target_dir) -> None:
+    # The second request's prompt extends the first's: its KV comes from the prefix
+    # cache (the target prefills only the rest), and the drafter, which keeps no prefix
+    # cache, is still sent the window from its first token.
+    eng, recording = _engine(target_dir)
+    first, second = LONG[0], LONG[0] + [7, 8, 9]
+    run_to_completion(eng, [eng.submit(req(0, first, NEW_TOKENS, 1e5))])
+    hits = metrics.prefix_cache_hits._value.get()
+    out = run_to_completion(eng, [eng.submit(req(1, second, NEW_TOKENS, 1e5))])
+    assert metrics.prefix_cache_hits._value.get() > hits
+    assert out["tokens"]["r1"] == hf_greedy(target_dir, second, NEW_TOKENS)
+    _check_window(recording, {"r0": first, "r1": second})
