@@ -171,6 +171,26 @@ def test_cb_priority_admits_tight_slos_first(policy):
         assert by_slo == 0 and by_arrival > 0  # tight SLOs jump the queue
 
 
+def test_cb_serves_in_arrival_order_when_ttft_slos_are_lost():
+    # Overload against TTFT SLOs no prompt can meet: policy adaserve defers the lost
+    # ones (scheduler.defer_lost_ttft) and serves later arrivals first; cb is vLLM's
+    # first come, first served whatever its TTFT SLOs.
+    wl = small_workload(rps=200.0, duration_s=0.2, settings={"engine": {"max_batch_tokens": 64}})
+    for c in wl.classes.values():
+        c.slo.ttft_ms = 40.0
+
+    def out_of_arrival_order(policy: str, **engine) -> int:
+        res = simulate(wl, policy, overrides={"engine": engine} if engine else None)
+        order = _admission_order(res)
+        arrival = {r.id: r.arrival_s for r in res.records}
+        return sum(
+            arrival[b.id] < arrival[a.id] for i, a in enumerate(order) for b in order[i + 1 :]
+        )
+
+    assert out_of_arrival_order("cb") == 0
+    assert out_of_arrival_order("adaserve", speculation=False, admission_order="arrival") > 0
+
+
 def test_planner_gets_the_profiles_draft_cost_in_verify_tokens():
     from adaserve.sim.costmodel import load_profile
     from adaserve.sim.driver import draft_cost_tokens, engine_settings, workload_profile

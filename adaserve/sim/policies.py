@@ -74,11 +74,13 @@ def policy_spec(name: str, max_running: int, k: int | None = None) -> PolicySpec
         )
         return PolicySpec(name, spec.overrides, expansion=SPECINFER_EXPANSION)
     # Continuous batching admits as vLLM does: first come, first served (by priority
-    # first for cb-priority), and no prompt hold (a setting of selection policy adaserve,
-    # the scheduler's default, that cb would otherwise inherit).
+    # first for cb-priority). Scheduler policy global, not the default adaserve: the
+    # admission features of selection policy adaserve (the prompt hold, deferring a
+    # request whose TTFT is lost) are not vLLM's, and cb inherited the deferral for a
+    # day unnoticed (BENCHMARKS.md, "Random workloads").
     plain = {
         "engine": {"speculation": False, "admission_order": "arrival"},
-        "scheduler": {"hold_prompts": False},
+        "scheduler": {"policy": "global"},
     }
     if name == "cb":
         return PolicySpec(name, plain)
