@@ -172,9 +172,10 @@ def test_cb_priority_admits_tight_slos_first(policy):
 
 
 def test_cb_serves_in_arrival_order_when_ttft_slos_are_lost():
-    # Overload against TTFT SLOs no prompt can meet: policy adaserve defers the lost
-    # ones (scheduler.defer_lost_ttft) and serves later arrivals first; cb is vLLM's
-    # first come, first served whatever its TTFT SLOs.
+    # A burst against TTFT SLOs most prompts miss: policy adaserve defers the lost ones
+    # (scheduler.defer_lost_ttft) behind later arrivals that can still make theirs; cb
+    # is vLLM's first come, first served whatever its TTFT SLOs (it ran adaserve's
+    # deferral by accident once).
     wl = small_workload(rps=200.0, duration_s=0.2, settings={"engine": {"max_batch_tokens": 64}})
     for c in wl.classes.values():
         c.slo.ttft_ms = 40.0
