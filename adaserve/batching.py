@@ -222,16 +222,24 @@ def hold_prompt(deadline_s: float, now_s: float, queue_tokens: int, ms_per_token
 
 def _slo_limit_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: float) -> float:
     """The longest iteration that keeps every decoding request on its TPOT SLO: request
-    r, l_r ms and o_r tokens past its first, expecting E tokens from its tree, is still
-    on schedule after an iteration of T ms when (l_r + T) / (o_r + E) <= t_r, so T <=
-    t_r (o_r + E) - l_r; a request ahead of its SLO has the slack to wait longer.
-    Requests no iteration of the decode work's length can keep on schedule are left out
-    (they need more tokens, not less prefill: selection's SLO phase is for them)."""
+    r, l_r ms and o_r tokens past its first, is still on schedule after an iteration of
+    T ms that gives it X tokens when (l_r + T) / (o_r + X) <= t_r, so T <= t_r (o_r +
+    X) - l_r; a request ahead of its SLO has the slack to wait longer.
+
+    X is the one token every iteration gives (the bonus) where that is enough: a
+    prompt's stretch then never bets a request's SLO on its tree being accepted. Were X
+    the expected E, every iteration under TTFT pressure would end with such requests on
+    their SLO only on average, and their TPOT would be a coin toss where continuous
+    batching's is certain. Requests that need more than the bonus to keep pace count at
+    E (their trees are their chance); those that no iteration of the decode work's length
+    keeps on schedule are left out (they need more tokens, not less prefill: selection's
+    SLO phase is for them)."""
     expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
     slo = np.array([d.tpot_slo_ms for d in decoding])
-    t = slo * (np.array([d.decoded for d in decoding]) + expected) - np.array(
-        [d.elapsed_ms for d in decoding]
-    )
+    decoded = np.array([d.decoded for d in decoding], dtype=np.float64)
+    elapsed = np.array([d.elapsed_ms for d in decoding])
+    certain = slo * (decoded + 1.0) - elapsed
+    t = np.where(certain >= decode_ms, certain, slo * (decoded + expected) - elapsed)
     saveable = t[t >= decode_ms]
     return float(saveable.min()) if saveable.size else decode_ms
 

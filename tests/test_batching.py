@@ -252,6 +252,23 @@ def test_a_decoder_ahead_of_its_slo_lends_its_slack_to_a_deadline() -> None:
     assert linear(2, plan.prefill_tokens + 1, 0.0) > 1100.0
 
 
+def test_a_deadline_stretches_an_iteration_only_as_far_as_the_bonus_token_keeps_pace() -> None:
+    """T <= t_r (o_r + 1) - l_r, not t_r (o_r + E) - l_r: a request the bonus token keeps
+    on schedule is not bet on its tree's acceptance (E = 1 + .8 + .64 + .512 here,
+    which would allow 1295 ms); one that needs its tree to keep pace counts at E."""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))  # 1 ms per token past the first
+    limits = BatchLimits(64, 8192, 1, stretch=1.0, depth=3, acceptance=0.8)
+    ahead = dec(0, slo=100.0, elapsed=1000.0, decoded=20)  # certain: 1100 ms
+    plan = form_batch([ahead], [pre(0, 6000, deadline=5.0)], limits, linear)
+    assert 1000.0 < plan.time_limit_ms <= 100.0 * 21 - 1000.0 + 1e-9
+    assert linear(4, plan.prefill_tokens + 1, 0.0) > 1100.0
+    # 50 * 21 - 1045 = 5 ms: shorter than any iteration, so its tree must deliver.
+    needs_tree = dec(1, slo=50.0, elapsed=1045.0, decoded=20)
+    both = form_batch([ahead, needs_tree], [pre(0, 6000, deadline=5.0)], limits, linear)
+    e = 1 + 0.8 + 0.8**2 + 0.8**3
+    assert 50.0 < both.time_limit_ms <= 50.0 * (20 + e) - 1045.0 + 1e-9
+
+
 def test_the_tree_budget_follows_the_tightest_slo() -> None:
     # GPU: 20 ms flat to 64 tokens, 40 ms at 128. A request expecting 2 tokens per
     # iteration with a 15 ms SLO keeps pace at 30 ms: 96 tree tokens, past the knee.
