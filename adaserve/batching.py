@@ -270,13 +270,16 @@ def _ttft_need(order: Sequence[Prefilling], iteration_ms: float, now_ms: float) 
     """Prompt tokens this iteration must prefill for every prompt with a TTFT SLO to
     reach its deadline at this pace, prompts served in `order`: the largest, over the
     order's prefixes ending at such a prompt, of the prefix's remaining tokens spread
-    over the iterations left before its deadline (all of them once it has passed)."""
+    over the whole iterations that end before its deadline (all of them once fewer than
+    two do). Whole: the first token comes at the end of the iteration that completes
+    the prompt, so 5.6 iterations' time is 5 iterations of prefill, and spreading over
+    5.6 missed such deadlines by a fraction of an iteration."""
     need, total = 0.0, 0
     for p in order:
         total += p.remaining
         if not p.binding:
             continue
-        iterations = (p.deadline_ms - now_ms) / iteration_ms
+        iterations = math.floor((p.deadline_ms - now_ms) / iteration_ms)
         need = max(need, total / iterations if iterations > 1 else total)
     return math.ceil(need)
 

@@ -7,6 +7,7 @@ slack."""
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
 import numpy as np
@@ -267,6 +268,22 @@ def test_a_deadline_stretches_an_iteration_only_as_far_as_the_bonus_token_keeps_
     both = form_batch([ahead, needs_tree], [pre(0, 6000, deadline=5.0)], limits, linear)
     e = 1 + 0.8 + 0.8**2 + 0.8**3
     assert 50.0 < both.time_limit_ms <= 50.0 * (20 + e) - 1045.0 + 1e-9
+
+
+@pytest.mark.parametrize("remaining", range(20, 80, 3))
+def test_a_prompt_the_plan_says_is_on_time_completes_by_its_deadline(remaining) -> None:
+    """Where the plan does not call the deadlines short, the prompt's chunks at this
+    iteration's size and length complete it in the whole iterations before its deadline:
+    its first token comes at the end of the last one, so 5.5 iterations' time is 5 of
+    prefill. (The decoder has no slack to stretch the iteration past the stretch.)"""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))  # 1 ms per token past the first
+    limits = BatchLimits(64, 8192, 1, stretch=2.0)
+    prompt = pre(0, remaining, deadline=110.0)
+    plan = form_batch([dec(0, slo=1.0)], [prompt], limits, linear)
+    assert plan.time_limit_ms == pytest.approx(20.0)
+    if not plan.ttft_short:
+        iterations = math.ceil(remaining / plan.prefill_tokens)
+        assert iterations * plan.time_limit_ms <= 110.0 + 1e-9
 
 
 def test_the_tree_budget_follows_the_tightest_slo() -> None:
