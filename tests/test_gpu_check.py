@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 import check_report  # noqa: E402
 
+from adaserve.sim.costmodel import load_profile  # noqa: E402
+
 KEYS = ["1_lossless", "2_decode_bound", "3_embedded", "4_verify_curve", "5_breakdown"]
 
 
@@ -51,6 +53,10 @@ def test_check_smoke_runs_every_measurement_on_cpu(tmp_path: Path) -> None:
     md = (out / "CHECK.md").read_text()
     assert md.count("\n| ") == 1 + len(KEYS)  # header row + one row per measurement
     assert (out / "run_all" / "RESULTS.md").is_file()
+    # The measured profile loads as the simulator's, the drafter's prompt forward in it.
+    profile = load_profile(out / "run_all" / "profile.yaml")
+    assert profile.draft_prefill is not None
+    assert profile.draft_prefill.tokens[-1] > profile.draft_step.tokens[-1]
     assert (out / "embedded" / "RESULTS-embedded.md").is_file()
 
 

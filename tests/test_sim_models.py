@@ -291,6 +291,40 @@ def test_drafter_builds_beam_trees_and_charges_time():
     assert lost.value.ids == ["a"]
 
 
+def test_a_prompt_chunk_past_the_draft_step_table_follows_the_drafter_prefill_curve():
+    """The drafter's first forward over an ingested chunk: the draft-step table up to
+    its last point, past it that point plus the rise of `draft_prefill` (measured by
+    benchmarks/gpu/run_all.py); without that curve, the draft-step table continued."""
+    base = load_profile("llama-3.1-8b-h100").model_dump()
+    last = base["draft_step"]["tokens"][-1]
+    plain = HardwareProfile(**{**base, "draft_prefill": None})
+    prof = HardwareProfile(
+        **{**base, "draft_prefill": {"tokens": [last, 4 * last], "ms": [10.0, 13.0]}}
+    )
+    step = prof.draft_step
+    for tokens in (1, 32, int(last)):  # inside the table: both the same
+        assert prof.draft_forward_ms(tokens) == plain.draft_forward_ms(tokens) == step(tokens)
+    rise = 3.0 * (2 * last - last) / (4 * last - last)  # the prefill curve's slope
+    assert prof.draft_forward_ms(int(2 * last)) == pytest.approx(step(last) + rise)
+    assert plain.draft_forward_ms(int(2 * last)) == pytest.approx(step(2 * last))
+    # A chunk of 512 prompt tokens: the step table's last segment continued says ~17 ms,
+    # the prefill curve here ~10.
+    assert plain.draft_forward_ms(512) > 15.0 > prof.draft_forward_ms(512)
+    with_trace = HardwareProfile(
+        **{**prof.model_dump(), "speed_trace": [{"t_s": 0.0, "draft": 2.0}]}
+    )
+    assert with_trace.draft_forward_ms(512, 1.0) == pytest.approx(2 * prof.draft_forward_ms(512))
+
+    # The modelled drafter charges an ingested chunk that way, and drafts no tree for it.
+    clock = VirtualClock()
+    sampler = BetaDraft(DraftShape())
+    d = SimDrafter(prof, clock, lambda _id: sampler, np.random.default_rng(0))
+    chunk = DraftUpdate("p", np.arange(1, 513, dtype=np.int32), 512, ingest=True)
+    trees = d.speculate([chunk], depth=2, width=1)
+    assert len(trees[0]) == 1
+    assert clock.now * 1000 == pytest.approx(prof.draft_forward_ms(512))
+
+
 def test_drafter_static_expansion():
     prof = load_profile(LLAMA)
     sampler = BetaDraft(DraftShape())

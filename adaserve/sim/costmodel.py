@@ -10,6 +10,8 @@ writes the same format for the machine at hand):
       ms: [[27, 55, 85, 125, 205],              # one row per context value
            [41, 69, 99, 139, 219]]
     draft_step: {tokens: [1, 256, 1024], ms: [4.5, 6.5, 14]}   # one drafter forward
+    draft_prefill: {tokens: [512, 2048], ms: [9, 21]}   # optional: the drafter's prompt
+                                                        # forward (its ingestion)
     prefill: {tokens: [1, 1024, 8192], ms: [28, 205, 1560]}    # target prefill
     kv_capacity_tokens: 500000
     iteration_overhead_ms: 0.5   # host work per iteration, added to every verify
@@ -19,7 +21,11 @@ writes the same format for the machine at hand):
 
 Between points latency is linear; beyond the last point it continues the last segment
 (a forward twice as large costs about twice as much; a falling last segment, noise in a
-measured table, is held flat), below the first it is clamped.
+measured table, is held flat), below the first it is clamped. A drafter forward larger
+than `draft_step`'s last point (a prompt chunk it ingests) continues along
+`draft_prefill`'s slope where the profile has it: the draft-step table is measured at
+tree sizes (CUDA-graphed on a GPU), and its last segment says little about a forward of
+a thousand prompt tokens.
 
 `speed_trace` is piecewise constant: each entry's factors hold from its `t_s` (seconds
 of simulated time since the trace starts) until the next entry's; before the first
@@ -150,6 +156,9 @@ class HardwareProfile(BaseModel):
     verify: Surface
     draft_step: Curve
     prefill: Curve
+    # The drafter's forward over prompt tokens (ingesting a chunk), measured past the
+    # draft step's sizes; None -> the draft_step curve continued (draft_forward_ms).
+    draft_prefill: Curve | None = None
     # Forwards mixing tree tokens and prefill chunks; None -> derived from verify and
     # prefill (HardwareProfile.forward_ms).
     mixed: MixedTable | None = None
@@ -184,6 +193,16 @@ class HardwareProfile(BaseModel):
 
     def draft_ms(self, tokens: int, at_s: float | None = None) -> float:
         return self.draft_step(tokens) * self.speed("draft", at_s) if tokens > 0 else 0.0
+
+    def draft_forward_ms(self, tokens: int, at_s: float | None = None) -> float:
+        """One drafter forward over `tokens` new tokens, prompt chunks included: the
+        draft-step table up to its last point, past it the last point plus the rise of
+        `draft_prefill` from there (without that curve: draft_ms)."""
+        last = self.draft_step.tokens[-1]
+        if self.draft_prefill is None or tokens <= last:
+            return self.draft_ms(tokens, at_s)
+        rise = max(self.draft_prefill(tokens) - self.draft_prefill(last), 0.0)
+        return (self.draft_step(last) + rise) * self.speed("draft", at_s)
 
     def prefill_ms(self, tokens: int, at_s: float | None = None) -> float:
         return self.prefill(tokens) * self.speed("prefill", at_s) if tokens > 0 else 0.0

@@ -6,7 +6,8 @@ logits, and advances the virtual clock by the profile's draft-step latency (time
 profile's speed factor at the clock's time when the call starts): the first
 forward takes every newly committed token (the root included, a whole prompt for a new
 request), each further layer one token per beam (n * w). Prompt chunks sent for
-ingestion (`DraftUpdate.ingest`) are charged in the first forward and get no tree.
+ingestion (`DraftUpdate.ingest`) are charged in the first forward (past the draft-step
+table, along the profile's `draft_prefill` curve where it has one) and get no tree.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class SimDrafter:
         # Forward 1 reads the new tokens (prompt chunks being ingested included);
         # forward l >= 2 reads layer l - 1 of the requests still searching
         # (BeamDrafter's stop_prob rule).
-        ms = self.profile.draft_ms(new_tokens, start)
+        ms = self.profile.draft_forward_ms(new_tokens, start)
         trees: dict[str, CandidateTree] = {}
         if drafting:
             if self.expansion is not None:
