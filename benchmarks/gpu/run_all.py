@@ -636,7 +636,7 @@ def draft_steps(run: Run, dev: torch.device, dtype: torch.dtype, backend: str) -
     )
     run.md += ["Whole `BeamDrafter.speculate` calls (step 1 eager, steps 2..d replayed):", ""]
     run.md += table(["n", "d", "w", "eager ms", "graph ms", "identical trees"], spec_rows)
-    run.md += ["The drafter ingesting a prompt chunk (one eager forward):", ""]
+    run.md += ["The drafter ingesting a prompt (eager, in 512-token chunks):", ""]
     if "ms" in ingest:
         run.md += table(
             ["prompt tokens", f"{backend} eager ms"],
@@ -652,21 +652,24 @@ def drafter_ingest(
     run: Run, runner: ModelRunner, rng: np.random.Generator, vocab: int, reps: int
 ) -> dict[str, Any]:
     """The drafter's first forward of an iteration also ingests the prompt chunks the
-    target prefills: one eager forward over a chunk, up to the engine's chunk sizes
-    (512 by default). The draft-step rows end at n*w tokens, and the simulator's H100
-    profile continued them to ~17 ms for 512 prompt tokens, unmeasured. A failure here
-    is reported and leaves the draft-step table in the profile."""
+    target prefills: eager forwards over the prompt in the engine's 512-token chunks,
+    measured as the target's prefill curve is (`prefill`). The draft-step rows end at
+    n*w tokens, and the simulator's H100 profile continued them to ~17 ms for 512 prompt
+    tokens, unmeasured. A failure here is reported and leaves the draft-step table in
+    the profile."""
     sizes = [64, 256] if run.args.smoke else [128, 256, 512, 1024]
     out: list[float] = []
     try:
         for p in sizes:
             toks = rng.integers(0, vocab, p).astype(np.int32)
-
-            def ingest(toks: np.ndarray = toks) -> None:
-                runner.add_sequence("ingest")
-                runner.forward([SeqInput.chain("ingest", toks)], last_only=True)
-
-            out.append(median_ms(ingest, reps, warmup=1, after=lambda: runner.free("ingest")))
+            out.append(
+                median_ms(
+                    lambda toks=toks: prefill(runner, "ingest", toks),
+                    reps,
+                    warmup=1,
+                    after=lambda: runner.free("ingest"),
+                )
+            )
     except Exception as e:  # reported in the results, not fatal to the section
         return {"tokens": sizes, "error": f"{type(e).__name__}: {e}"}
     return {"tokens": sizes, "ms": out}
