@@ -246,6 +246,24 @@ def prefill(runner: ModelRunner, sid: str, tokens: np.ndarray) -> None:
         runner.commit(sid, range(len(chunk)))
 
 
+def prefill_curve(
+    runner: ModelRunner, sizes: list[int], rng: np.random.Generator, vocab: int, reps: int
+) -> list[float]:
+    """Median ms to prefill one random prompt of each size (`prefill`, 512-token chunks)."""
+    out = []
+    for p in sizes:
+        toks = rng.integers(0, vocab, p).astype(np.int32)
+        out.append(
+            median_ms(
+                lambda toks=toks: prefill(runner, "pre", toks),
+                reps,
+                warmup=1,
+                after=lambda: runner.free("pre"),
+            )
+        )
+    return out
+
+
 def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
@@ -658,18 +676,8 @@ def drafter_ingest(
     tokens, unmeasured. A failure here is reported and leaves the draft-step table in
     the profile."""
     sizes = [64, 256] if run.args.smoke else [128, 256, 512, 1024]
-    out: list[float] = []
     try:
-        for p in sizes:
-            toks = rng.integers(0, vocab, p).astype(np.int32)
-            out.append(
-                median_ms(
-                    lambda toks=toks: prefill(runner, "ingest", toks),
-                    reps,
-                    warmup=1,
-                    after=lambda: runner.free("ingest"),
-                )
-            )
+        out = prefill_curve(runner, sizes, rng, vocab, reps)
     except Exception as e:  # reported in the results, not fatal to the section
         return {"tokens": sizes, "error": f"{type(e).__name__}: {e}"}
     return {"tokens": sizes, "ms": out}
@@ -748,17 +756,7 @@ def verifier_curve(
     runner.backend = tri_backend
     # prefill: one sequence, chunks of 512 as the engine does
     pre_tokens = [128, 512, 1024, 2048] if not run.args.smoke else [32, 128]
-    pre_ms = []
-    for p in pre_tokens:
-        toks = rng.integers(0, vocab, p).astype(np.int32)
-        pre_ms.append(
-            median_ms(
-                lambda toks=toks: prefill(runner, "pre", toks),
-                reps,
-                warmup=1,
-                after=lambda: runner.free("pre"),
-            )
-        )
+    pre_ms = prefill_curve(runner, pre_tokens, rng, vocab, reps)
 
     base = grid[0][0]
     knee = max(t for t, ms in zip(tokens, grid[0], strict=True) if ms <= 1.25 * base)
