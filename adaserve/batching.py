@@ -9,21 +9,29 @@ requests and prefill chunks of the prompts still being prefilled (SLOs-Serve's
    the drafted nodes it needs to get back on its TPOT SLO: A(r) > 1 tokens accepted
    this iteration take the shortest chain whose expected accepted tokens reach A_cap(r)
    (`adaserve/slo.py` has A(r); selection spends these first).
-2. **Prefill the TTFT deadlines need.** Prompts are served earliest TTFT deadline first;
-   the tokens this iteration must prefill so that, at this pace, every prompt meets its
-   deadline come next, taken from the throughput trees if need be.
+2. **Prefill the TTFT deadlines need.** Prompts are served earliest TTFT deadline first
+   (policy adaserve: every prompt with a TTFT SLO before those without one); the tokens
+   this iteration must prefill so that, at this pace, every prompt meets its deadline
+   come next, taken from the throughput trees if need be.
 3. **Throughput trees**, up to the knee budget B, as a decode-only iteration has.
 4. **The rest of the time to prefill.** An iteration may run longer than its decode
    work by at most `stretch` times that work: a prompt that arrives slows the running
    streams by at most that factor. When the TTFT deadlines need more than the stretch
    leaves, the iteration may run longer, up to what keeps every decoding request on its
-   TPOT SLO (a request ahead of its SLO has slack to spend).
+   TPOT SLO (a request ahead of its SLO has slack to spend). Policy adaserve
+   (`slo_prefill`): the prompts without a TTFT SLO get only the decoders' slack, the
+   longest iteration after which each is still on its TPOT SLO at the tokens its tree
+   is expected to give; no SLO waits on their first token.
 
-The stretch is not capped by the TPOT SLOs. A TPOT SLO is an average over the whole
-output, and the prefill work is the same whether it runs now or later: deferring it to
-keep this iteration within every request's slack only delays it into the same
-requests' later iterations, while the prompts wait and miss their TTFT. Capping it did
-exactly that in the simulator (BENCHMARKS.md, "Unified iteration").
+For prompts with a TTFT SLO the stretch is not capped by the TPOT SLOs. A TPOT SLO is
+an average over the whole output, and the prefill work is the same whether it runs now
+or later: deferring it to keep this iteration within every request's slack only delays
+it into the same requests' later iterations, while the prompts wait and miss their
+TTFT. Capping it did exactly that in the simulator (BENCHMARKS.md, "Unified
+iteration"). A prompt without a TTFT SLO has no first token to miss: deferring its
+prefill to where the decoders have slack (or none are left) costs no SLO, and on the
+random sweep it is what lets speculation keep tight TPOT SLOs beside long prompts
+(BENCHMARKS.md, "Random workloads").
 
 The token counts come from the forward's latency model (`adaserve/latency.py`), not a
 fixed chunk size. While prompts wait, each iteration prefills at least
@@ -51,6 +59,8 @@ class Decoding:
     tpot_slo_ms: float
     elapsed_ms: float  # l_r: since its first token
     decoded: int  # o_r: tokens decoded since the first
+    # Its SLO was judged unattainable at submit (served best-effort): no slack to keep.
+    best_effort: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,14 @@ class Prefilling:
     # The deadline is a TTFT SLO (False: a default that only orders the queue, so the
     # request is served eventually; it never makes an iteration longer).
     binding: bool = True
+    # A preempted request recomputing its prompt: no TTFT deadline, but its TPOT SLO,
+    # counted from a first token it already has, waits on this prefill.
+    resumed: bool = False
+
+    @property
+    def waited_on(self) -> bool:
+        """An SLO waits on this prompt's prefill (`slo_prefill` serves these first)."""
+        return self.binding or self.resumed
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,9 @@ class BatchLimits:
     # a large tree budget (the SLO-sized one) can fill max_batch_tokens and leave the
     # prompts min_prefill_tokens however late they are.
     yield_tokens: bool = False
+    # Policy adaserve (`scheduler.slo_prefill`): the prompts with a TTFT SLO are
+    # prefilled first, and the others only in the decoding requests' TPOT slack (step 4).
+    slo_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,7 +151,7 @@ def form_batch(
         # decide what to verify, exactly as without prefill.
         return BatchPlan((), max(limits.tree_budget, n), slo_tokens, math.inf)
     cap = limits.max_batch_tokens
-    order = sorted(prefilling, key=lambda p: (p.deadline_ms, p.priority, p.arrival_ms, p.id))
+    order = prefill_order(prefilling, limits.slo_prefill)
     if n == 0:
         chunks = _chunks(order, min(cap, remaining))
         return BatchPlan(chunks, n, 0, math.inf, chunk_context(chunks, order))
@@ -149,7 +170,18 @@ def form_batch(
     def most_prefill(t: int, limit: float) -> int:
         return _most(lambda p: with_prefill(t, p), limit - overhead_ms, max(cap - t, 0))
 
-    prefill = most_prefill(trees, limit_ms)
+    # Under `slo_prefill`, the prompts an SLO waits on (first in the order: those with a
+    # TTFT SLO, and preempted requests' recomputes) take the stretch; the tokens past
+    # them wait on no SLO, and take only the time every decoding request can spare.
+    slack_ms, waited_on = limit_ms, remaining
+    if limits.slo_prefill:
+        slack_ms = min(limit_ms, _slack_ms(decoding, limits, decode_ms))
+        waited_on = sum(p.remaining for p in order if p.waited_on)
+
+    def fill(t: int) -> int:
+        return max(most_prefill(t, slack_ms), min(most_prefill(t, limit_ms), waited_on))
+
+    prefill = fill(trees)
     need = _ttft_need(order, limit_ms, now_ms)
     if need > prefill and trees > slo_tokens:
         # Deadlines at risk: the throughput trees give way first (the SLO trees stay)...
@@ -157,7 +189,7 @@ def form_batch(
         if limits.yield_tokens:
             fit = min(fit, max(cap - need, 0))
         trees = max(slo_tokens, min(trees, fit))
-        prefill = most_prefill(trees, limit_ms)
+        prefill = fill(trees)
     if need > prefill and slo_ms > limit_ms:
         # ... then smoothness: the iteration may outlast the stretch, not the slack.
         prefill = max(prefill, min(need, most_prefill(trees, slo_ms)))
@@ -167,6 +199,26 @@ def form_batch(
     chunks = _chunks(order, prefill)
     return BatchPlan(
         chunks, trees, slo_tokens, limit_ms, chunk_context(chunks, order), ttft_short=short
+    )
+
+
+def prefill_order(prefilling: Sequence[Prefilling], ttft_first: bool) -> list[Prefilling]:
+    """The prompts in the order their chunks are served: earliest deadline first (a
+    prompt without a TTFT SLO by its late default one), ties by priority, then arrival.
+    `ttft_first` (policy adaserve, `slo_prefill`): every prompt an SLO waits on (a TTFT
+    SLO, or a preempted request's TPOT) before those whose deadline only orders the
+    queue. Otherwise a prompt without one, once its default deadline comes, goes ahead of
+    later prompts with a TTFT SLO and makes them miss it for a first token no SLO waits
+    on."""
+    return sorted(
+        prefilling,
+        key=lambda p: (
+            ttft_first and not p.waited_on,
+            p.deadline_ms,
+            p.priority,
+            p.arrival_ms,
+            p.id,
+        ),
     )
 
 
@@ -242,6 +294,28 @@ def _slo_limit_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: 
     t = np.where(certain >= decode_ms, certain, slo * (decoded + expected) - elapsed)
     saveable = t[t >= decode_ms]
     return float(saveable.min()) if saveable.size else decode_ms
+
+
+def _slack_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: float) -> float:
+    """The longest iteration after which every decoding request is still on its TPOT
+    SLO, min over r of t_r (o_r + E) - l_r with E the tokens its tree is expected to
+    give, and at least the decode work: a request behind leaves no slack (its SLO is an
+    average over its output; only faster iterations bring it back). At E, not at the
+    bonus token alone as a deadline's stretch counts (`_slo_limit_ms`): this time buys
+    no SLO, so it may not take what the trees are expected to earn, but it need not
+    leave more: at 1, prompts without a TTFT SLO waited behind decoders that were on
+    their SLO anyway, and the batch shrank (the random sweep's 59 req/s seed 0 draw 18:
+    the same attainment at 0.76x the goodput). Best-effort requests are left out, as
+    the prompt hold leaves them out: one is always behind, and would hold every prompt
+    without a TTFT SLO to `min_prefill_tokens` while it decodes."""
+    kept = [d for d in decoding if not d.best_effort]
+    if not kept:
+        return math.inf
+    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
+    slo = np.array([d.tpot_slo_ms for d in kept])
+    decoded = np.array([d.decoded for d in kept], dtype=np.float64)
+    elapsed = np.array([d.elapsed_ms for d in kept])
+    return max(decode_ms, float((slo * (decoded + expected) - elapsed).min()))
 
 
 def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:

@@ -158,6 +158,14 @@ class SchedulerSettings(BaseModel):
     # meet theirs go first (engine/admission.py defer_lost). Earliest-deadline-first
     # under overload serves the requests already lost and makes the next ones late too.
     defer_lost_ttft: bool = True
+    # Policy adaserve: prefill follows the SLOs. Prompts with a TTFT SLO are prefilled
+    # first (earliest deadline first, with preempted requests' recomputes, whose TPOT
+    # SLO waits on them), and the prompts without one only in the
+    # decoding requests' TPOT slack: no SLO waits on their first token, so they may not
+    # put a decoding request behind its SLO, nor, once their default deadline comes,
+    # go ahead of a prompt whose TTFT SLO still can be met (adaserve/batching.py).
+    # False: every prompt by its deadline, in the whole prefill stretch.
+    slo_prefill: bool = True
     # With a scheduler service (services.scheduler): `auto` sends a Select to it only
     # while it answers sooner than selecting in-process does (both measured, adaserve/
     # fallback.py). The engine waits for the answer either way, so a remote selection

@@ -30,6 +30,7 @@ from adaserve.latency import Curve
 # A GPU-like forward: flat to the knee (64 tokens), linear after.
 GPU = Curve.knee(20.0, 64)  # (tree, prefill, context) -> ms
 LIMITS = BatchLimits(tree_budget=64, max_batch_tokens=2048, min_prefill_tokens=16)
+LIMITS_2X = BatchLimits(64, 4096, 1, stretch=2.0)
 
 
 def dec(i: int, slo: float = 50.0, elapsed: float = 0.0, decoded: int = 0) -> Decoding:
@@ -349,3 +350,88 @@ def test_trees_yield_forward_tokens_to_ttft_deadlines_under_yield_tokens() -> No
     )
     assert after.tree_budget >= after.slo_tree_tokens
     assert after.prefill_tokens > 300 and after.tree_budget + after.prefill_tokens <= 512
+
+
+def test_a_prompt_without_a_ttft_slo_rides_only_in_the_decoders_slack() -> None:
+    """`slo_prefill` (policy adaserve): no SLO waits on the first token of a prompt without
+    a TTFT SLO, so its prefill takes only what keeps every decoding request on its TPOT
+    SLO, t_r (o_r + E) - l_r; with slack to spare the whole stretch still applies."""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))  # 1 ms per token past the first
+    limits = BatchLimits(64, 4096, 1, stretch=2.0, slo_prefill=True)
+    relaxed = [dec(0, slo=1000.0)]
+    free = form_batch(relaxed, [pre(0, 3000, binding=False)], limits, linear)
+    assert free.time_limit_ms == pytest.approx(2.0 * linear(1, 0, 0.0))
+    assert free.prefill_tokens == 10
+    # 20 tokens in after 236 ms at 12 ms a token: 12 * 21 - 236 = 16 ms (no drafting: E
+    # = 1), less than the stretch's 22.
+    edge = dec(1, slo=12.0, elapsed=236.0, decoded=20)
+    plan = form_batch([*relaxed, edge], [pre(0, 3000, binding=False)], limits, linear)
+    assert linear(2, plan.prefill_tokens, 0.0) <= 16.0 < linear(2, plan.prefill_tokens + 1, 0.0)
+    plain = form_batch([*relaxed, edge], [pre(0, 3000, binding=False)], LIMITS_2X, linear)
+    assert plain.prefill_tokens > plan.prefill_tokens
+
+
+def test_the_slack_counts_the_tokens_a_tree_is_expected_to_give() -> None:
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))
+    limits = BatchLimits(64, 4096, 1, stretch=3.0, depth=2, acceptance=0.5, slo_prefill=True)
+    # E = 1 + .5 + .25: 10 * (20 + 1.75) - 200 = 17.5 ms, where the bonus alone leaves 10.
+    d = dec(0, slo=10.0, elapsed=200.0, decoded=20)
+    plan = form_batch([d], [pre(0, 3000, binding=False)], limits, linear)
+    trees = 1 + 2  # the root and a chain of 2
+    assert (
+        linear(trees, plan.prefill_tokens, 0.0)
+        <= 17.5
+        < linear(trees, plan.prefill_tokens + 1, 0.0)
+    )
+
+
+def test_a_decoder_behind_its_slo_leaves_a_prompt_without_a_ttft_slo_min_prefill() -> None:
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))
+    limits = BatchLimits(64, 4096, 4, stretch=2.0, slo_prefill=True)
+    behind = dec(0, slo=10.0, elapsed=500.0, decoded=20)  # 25 ms a token so far
+    plan = form_batch([behind], [pre(0, 3000, binding=False)], limits, linear)
+    assert plan.prefill_tokens == limits.min_prefill_tokens
+
+
+def test_prompts_with_a_ttft_slo_go_first_and_keep_the_whole_stretch() -> None:
+    """Under `slo_prefill` a prompt with a TTFT SLO is served before one without, whatever
+    their deadlines (the one without has a default deadline, here already past), and
+    takes the stretch a decoder behind its SLO would deny the other."""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))
+    limits = BatchLimits(64, 4096, 1, stretch=2.0, slo_prefill=True)
+    behind = dec(0, slo=10.0, elapsed=500.0, decoded=20)
+    ttft = pre(1, 3000, deadline=1e6)
+    old = pre(0, 3000, deadline=-5.0, binding=False)
+    plan = form_batch([behind], [old, ttft], limits, linear)
+    assert [rid for rid, _ in plan.chunks] == ["p1"]
+    whole = form_batch([behind], [ttft], LIMITS_2X, linear)
+    assert plan.prefill_tokens == whole.prefill_tokens > limits.min_prefill_tokens
+    # Without slo_prefill the older default deadline goes first.
+    assert form_batch([behind], [old, ttft], LIMITS_2X, linear).chunks[0][0] == "p0"
+
+
+def test_a_preempted_requests_recompute_is_waited_on_like_a_ttft_slo() -> None:
+    """A preempted request has no TTFT deadline left, but its TPOT SLO (counted from a
+    first token it already has) waits on its recompute: under `slo_prefill` it goes
+    ahead of prompts without a TTFT SLO and keeps the stretch."""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))
+    limits = BatchLimits(64, 4096, 1, stretch=2.0, slo_prefill=True)
+    behind = dec(0, slo=10.0, elapsed=500.0, decoded=20)
+    fresh = pre(0, 3000, deadline=-10.0, binding=False)
+    resumed = pre(1, 3000, deadline=-5.0, binding=False, resumed=True)
+    plan = form_batch([behind], [fresh, resumed], limits, linear)
+    assert plan.chunks[0][0] == "p1"
+    assert plan.prefill_tokens == form_batch([behind], [resumed], LIMITS_2X, linear).prefill_tokens
+    assert plan.prefill_tokens > limits.min_prefill_tokens
+
+
+def test_a_best_effort_decoder_leaves_the_stretch_to_prompts_without_a_ttft_slo() -> None:
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))
+    limits = BatchLimits(64, 4096, 1, stretch=2.0, slo_prefill=True)
+    hopeless = Decoding("d0", 10.0, 500.0, 20, best_effort=True)  # 25 ms a token
+    plan = form_batch([hopeless], [pre(0, 3000, binding=False)], limits, linear)
+    assert (
+        plan.prefill_tokens
+        == form_batch([hopeless], [pre(0, 3000)], LIMITS_2X, linear).prefill_tokens
+    )
+    assert plan.prefill_tokens > limits.min_prefill_tokens

@@ -81,6 +81,8 @@ class _Split:
         self, eng: Engine, decoding: list[Request], prefilling: list[Request], yields: bool
     ) -> None:
         self.eng, self.decoding, self.yields = eng, decoding, yields
+        sched = eng.settings.scheduler
+        self.slo_prefill = sched.policy == "adaserve" and sched.slo_prefill
         self.adaptive = adaptive_settings(eng)
         self.now = eng.clock()
         self.progress = [r.decoding(self.now) for r in decoding]
@@ -93,6 +95,7 @@ class _Split:
                 r.arrival * 1000.0,
                 r.prefilled,
                 r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost,
+                r.num_generated > 0,
             )
             for r in prefilling
         ]
@@ -114,6 +117,7 @@ class _Split:
             width=tree_width,
             acceptance=self.adaptive.acceptance,
             yield_tokens=self.yields,
+            slo_prefill=self.slo_prefill,
         )
         return form_batch(
             self.progress,

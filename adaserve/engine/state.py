@@ -103,7 +103,8 @@ class Request:
 
     def decoding(self, now: float) -> Decoding:
         """Its TPOT progress as batch formation and the prompt hold read it."""
-        return Decoding(self.req.id, self.req.tpot_slo_ms, *self.elapsed_decoded(now))
+        elapsed, decoded = self.elapsed_decoded(now)
+        return Decoding(self.req.id, self.req.tpot_slo_ms, elapsed, decoded, self.best_effort)
 
     def logits_context(self, masks: np.ndarray | None) -> LogitsContext | None:
         """What the target needs to process this request's rows (penalties, bias,
