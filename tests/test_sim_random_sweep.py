@@ -326,3 +326,19 @@ def test_prompts_without_a_ttft_slo_wait_for_the_decoders_slack() -> None:
     )
     assert on["slo_attainment"] > off["slo_attainment"]
     assert on["ttft_attainment"] == off["ttft_attainment"] == 1.0  # no TTFT SLO to miss
+
+
+def test_the_baselines_never_get_policy_adaserves_prefill_by_slo() -> None:
+    """`--reuse` re-runs adaserve alone over earlier baseline runs: valid only for what
+    reaches policy adaserve alone. `scheduler.slo_prefill` is on by default and the
+    planner applies it under scheduler policy adaserve only; every baseline runs
+    another scheduler policy."""
+    from adaserve.sim.driver import engine_settings, workload_profile
+    from adaserve.sim.policies import policy_spec
+
+    wl = rs.draw_workload(2, 23, 30.0)
+    profile = workload_profile(wl)
+    for name in rs.POLICIES:
+        settings = engine_settings(wl, profile, policy_spec(name, 64))
+        assert settings.scheduler.slo_prefill
+        assert (settings.scheduler.policy == "adaserve") == (name == "adaserve"), name
