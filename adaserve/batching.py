@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from adaserve.methods import chain_tokens
 from adaserve.slo import required_accepted
 
 
@@ -179,7 +180,10 @@ def form_batch(
         waited_on = sum(p.remaining for p in order if p.waited_on)
 
     def fill(t: int) -> int:
-        return max(most_prefill(t, slack_ms), min(most_prefill(t, limit_ms), waited_on))
+        full = most_prefill(t, limit_ms)
+        if full <= waited_on or slack_ms >= limit_ms:
+            return full  # (without slo_prefill, always: one search, as before)
+        return max(most_prefill(t, slack_ms), waited_on)
 
     prefill = fill(trees)
     need = _ttft_need(order, limit_ms, now_ms)
@@ -286,12 +290,9 @@ def _slo_limit_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: 
     E (their trees are their chance); those that no iteration of the decode work's length
     keeps on schedule are left out (they need more tokens, not less prefill: selection's
     SLO phase is for them)."""
-    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
-    slo = np.array([d.tpot_slo_ms for d in decoding])
-    decoded = np.array([d.decoded for d in decoding], dtype=np.float64)
-    elapsed = np.array([d.elapsed_ms for d in decoding])
-    certain = slo * (decoded + 1.0) - elapsed
-    t = np.where(certain >= decode_ms, certain, slo * (decoded + expected) - elapsed)
+    certain = _pace_ms(decoding, 1.0)
+    expected = _pace_ms(decoding, chain_tokens(limits.acceptance, limits.depth))
+    t = np.where(certain >= decode_ms, certain, expected)
     saveable = t[t >= decode_ms]
     return float(saveable.min()) if saveable.size else decode_ms
 
@@ -311,11 +312,17 @@ def _slack_ms(decoding: Sequence[Decoding], limits: BatchLimits, decode_ms: floa
     kept = [d for d in decoding if not d.best_effort]
     if not kept:
         return math.inf
-    expected = float(np.sum(limits.acceptance ** np.arange(limits.depth + 1)))
-    slo = np.array([d.tpot_slo_ms for d in kept])
-    decoded = np.array([d.decoded for d in kept], dtype=np.float64)
-    elapsed = np.array([d.elapsed_ms for d in kept])
-    return max(decode_ms, float((slo * (decoded + expected) - elapsed).min()))
+    pace = _pace_ms(kept, chain_tokens(limits.acceptance, limits.depth))
+    return max(decode_ms, float(pace.min()))
+
+
+def _pace_ms(decoding: Sequence[Decoding], tokens: float) -> np.ndarray:
+    """Per request, the longest iteration after which it is still on its TPOT SLO if
+    the iteration gives it `tokens`: t_r (o_r + tokens) - l_r. float64 [n]."""
+    slo = np.array([d.tpot_slo_ms for d in decoding])
+    decoded = np.array([d.decoded for d in decoding], dtype=np.float64)
+    elapsed = np.array([d.elapsed_ms for d in decoding])
+    return slo * (decoded + tokens) - elapsed
 
 
 def slo_draft_tokens(decoding: Sequence[Decoding], limits: BatchLimits) -> np.ndarray:
