@@ -84,10 +84,54 @@ def _fake_simulate(
 def test_rate_search_lands_in_the_band(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
     monkeypatch.setattr(rs, "_simulate", _fake_simulate)
     wl = rs.draw_workload(0, index)
-    rate, runs, tried = rs.find_rate(wl)
+    rate, runs, tried = rs.find_rate(wl, ("spec-1", "cb"))
     att = max(r["slo_attainment"] for r in runs.values())
     assert rs.BAND[0] <= att <= rs.BAND[1]
-    assert tried[-1]["rps"] == rate and set(runs) == set(rs.REFERENCE)
+    assert tried[-1]["rps"] == rate and set(runs) == {*rs.REFERENCE, "spec-1", "cb"}
+    assert all(r["rps"] == rate for r in runs.values())
+
+
+@pytest.mark.parametrize("index", [0, 3, 9])
+def test_rate_search_loads_a_third_baseline_that_beats_both_references(
+    monkeypatch: pytest.MonkeyPatch, index: int
+) -> None:
+    """spec-3 serves 1.6x the references' rate: at the rate where they attain within the
+    band it attains above it, and the search goes on until spec-3, the best baseline,
+    attains within the band; every baseline ran at that rate."""
+
+    def simulate(workload, policy: str, rps: float, overrides=None, trace_offset=0):
+        return _fake_simulate(workload, policy, rps / 1.6 if policy == "spec-3" else rps)
+
+    monkeypatch.setattr(rs, "_simulate", simulate)
+    wl = rs.draw_workload(0, index)
+    references, _, _ = rs.find_rate(wl)
+    rate, runs, tried = rs.find_rate(wl, ("spec-3", "cb"))
+    assert rate > references
+    assert set(runs) == {*rs.REFERENCE, "spec-3", "cb"}
+    assert max(runs, key=lambda p: runs[p]["slo_attainment"]) == "spec-3"
+    assert rs.BAND[0] <= runs["spec-3"]["slo_attainment"] <= rs.BAND[1]
+    assert runs["spec-2"]["slo_attainment"] < rs.BAND[0]  # the references, loaded past it
+    assert tried[-1] == {
+        "rps": rate,
+        "attainment": runs["spec-3"]["slo_attainment"],
+        "policies": ["spec-3"],
+    }
+
+
+def test_rate_search_stops_where_load_barely_lowers_attainment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A workload every policy meets at any rate (no point of the references' search
+    attains below the band): the search does not go on past them on a third baseline."""
+
+    def simulate(workload, policy: str, rps: float, overrides=None, trace_offset=0):
+        run = _fake_simulate(workload, policy, rps)
+        return {**run, "slo_attainment": 1.0 if policy == "spec-3" else 0.95}
+
+    monkeypatch.setattr(rs, "_simulate", simulate)
+    rate, runs, tried = rs.find_rate(rs.draw_workload(0, 3), ("spec-3", "cb"))
+    assert all(t["policies"] == list(rs.REFERENCE) for t in tried)
+    assert set(runs) == {*rs.REFERENCE, "spec-3", "cb"} and tried[0]["rps"] == rate
 
 
 def test_compare_against_the_best_baseline() -> None:
@@ -223,7 +267,7 @@ def test_fresh_trace_reruns_every_policy_against_the_baseline_chosen_before(
     assert main([*args, "--out", str(out)]) == 0
     assert main([*args, "--fresh-trace", "5", "--out", str(again)]) == 2  # no --reuse
     first = json.loads((out / "random_sweep.json").read_text())["workloads"]
-    monkeypatch.setattr(rs, "find_rate", lambda w: pytest.fail("the rate is reused"))
+    monkeypatch.setattr(rs, "find_rate", lambda w, b=(): pytest.fail("the rate is reused"))
     reuse = ["--reuse", str(out / "random_sweep.json")]
     assert main([*args, *reuse, "--fresh-trace", "5", "--out", str(again)]) == 0
     data = json.loads((again / "random_sweep.json").read_text())
@@ -246,7 +290,7 @@ def test_fresh_trace_reruns_every_policy_against_the_baseline_chosen_before(
     )
 
 
-def _quick_rate(workload):
+def _quick_rate(workload, baselines=()):
     rate = rs.initial_rate(workload) / 4
     return rate, {}, [{"rps": rate, "attainment": None}]
 
