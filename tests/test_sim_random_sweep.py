@@ -134,6 +134,28 @@ def test_rate_search_stops_where_load_barely_lowers_attainment(
     assert set(runs) == {*rs.REFERENCE, "spec-3", "cb"} and tried[0]["rps"] == rate
 
 
+def test_rate_search_keeps_the_references_rate_past_a_cliff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """spec-3 meets every SLO up to 1.05x the references' rate and a third of them past
+    it: no point the bisection tries comes nearer the band, so the rate stays."""
+    wl = rs.draw_workload(0, 3)
+    monkeypatch.setattr(rs, "_simulate", _fake_simulate)
+    references, _, _ = rs.find_rate(wl)
+
+    def simulate(workload, policy: str, rps: float, overrides=None, trace_offset=0):
+        run = _fake_simulate(workload, policy, rps)
+        if policy == "spec-3":
+            return {**run, "slo_attainment": 1.0 if rps <= 1.05 * references else 0.3}
+        return run
+
+    monkeypatch.setattr(rs, "_simulate", simulate)
+    rate, runs, tried = rs.find_rate(wl, ("spec-3", "cb"))
+    assert rate == references and runs["spec-3"]["slo_attainment"] == 1.0
+    assert len(tried) > 1 and tried[-1]["policies"] == ["spec-3"]  # it did look further
+    assert all(r["rps"] == rate for r in runs.values())
+
+
 def test_compare_against_the_best_baseline() -> None:
     runs = {
         "adaserve": {"slo_attainment": 0.9, "violations": 9, "goodput": 90.0},

@@ -32,9 +32,10 @@ win where the other loses), at the sweep's duration and seed, until it attains w
 [0.7, 0.9] (at most 5 points; else the one closest to 0.8). Every baseline then runs at
 that rate. Where the best of them attains above the band (a third policy beats both
 references, e.g. a deep chain on a launch-bound GPU), the bisection goes on, from that
-rate up, on that baseline alone (at most 3 points, 2 such rounds), and every baseline
-runs again where it ends: the best baseline, whichever it is, attains within the band,
-so a workload is not judged at a load where one baseline meets every SLO. Not where no
+rate up, on that baseline alone (at most 5 points, 2 such rounds), and every baseline
+runs again where it ends (unless no point there came nearer the band's middle): the
+best baseline, whichever it is, attains within the band, so a workload is not judged
+at a load where one baseline meets every SLO. Not where no
 point of the first search attained below the band: there attainment barely falls with
 load (no TTFT SLO, loose TPOT SLOs) and every policy meets nearly every SLO at any rate. Policy adaserve
 then runs at the rate; every baseline's run is the search's own.
@@ -89,7 +90,7 @@ POLICIES = (
 REFERENCE = ("spec-2", "cb-priority")  # the rate search's first baselines
 BAND = (0.7, 0.9)  # the best baseline's attainment the rate search aims for
 ROUNDS = 2  # at most this many baselines the search goes on with past the references
-MORE_STEPS = 3  # points per baseline past the references (rates up to 8x theirs)
+MORE_STEPS = 5  # points per baseline past the references (rates up to 32x theirs)
 
 # The space's bounds (tests check draws against them).
 CLASSES = (2, 4)
@@ -287,21 +288,28 @@ def find_rate(
     closest to the band's middle). Then every baseline runs there. Where the best of them
     attains above the band (a third policy beats both references at a load where
     neither is stressed), the bisection goes on from that rate up, on that baseline
-    alone, for at most ROUNDS such policies and MORE_STEPS points each. Not where no
+    alone, for at most ROUNDS such policies and MORE_STEPS points each; where it finds
+    no point nearer the band's middle (attainment falls off a cliff between two rates
+    the bisection cannot resolve), the rate it started from stays. Not where no
     point tried attained below the band: that workload's attainment barely falls with
     load (no TTFT SLO, loose TPOT SLOs), and more load would only cost simulation. The
     runs: every reference and baseline at the rate."""
     every = tuple(dict.fromkeys((*reference, *baselines)))
+    mid = sum(band) / 2
     rate, runs, tried = _bisect(workload, reference, initial_rate(workload), band, max_steps)
     for _ in range(ROUNDS):
         runs |= {p: _simulate(workload, p, rate) for p in every if p not in runs}
         best = max(runs, key=lambda p: runs[p]["slo_attainment"] or 0.0)
-        if (runs[best]["slo_attainment"] or 0.0) <= band[1] or all(
-            t["attainment"] > band[1] for t in tried
-        ):
+        att = runs[best]["slo_attainment"] or 0.0
+        if att <= band[1] or all(t["attainment"] > band[1] for t in tried):
             break
-        rate, runs, more = _bisect(workload, (best,), 2.0 * rate, band, MORE_STEPS, lo=rate)
+        further, runs_there, more = _bisect(
+            workload, (best,), 2.0 * rate, band, MORE_STEPS, lo=rate
+        )
         tried += more
+        if abs((runs_there[best]["slo_attainment"] or 0.0) - mid) >= abs(att - mid):
+            break  # no nearer the band past a cliff: the rate it started from stays
+        rate, runs = further, runs_there
     else:  # the last round's rate: every baseline runs there too
         runs |= {p: _simulate(workload, p, rate) for p in every if p not in runs}
     return rate, runs, tried
