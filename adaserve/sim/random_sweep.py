@@ -35,9 +35,9 @@ references, e.g. a deep chain on a launch-bound GPU), the bisection goes on, fro
 rate up, on that baseline alone (at most 5 points, 2 such rounds), and every baseline
 runs again where it ends (unless no point there came nearer the band's middle): the
 best baseline, whichever it is, attains within the band, so a workload is not judged
-at a load where one baseline meets every SLO. Not where no
-point of the first search attained below the band: there attainment barely falls with
-load (no TTFT SLO, loose TPOT SLOs) and every policy meets nearly every SLO at any rate. Policy adaserve
+at a load where one baseline meets every SLO. Not where no point of the first search
+attained below the band: there attainment barely falls with load (no TTFT SLO, loose
+TPOT SLOs) and every policy meets nearly every SLO at any rate. Policy adaserve
 then runs at the rate; every baseline's run is the search's own.
 
 Compared: `adaserve` against the best *baseline*, the best of every other policy
