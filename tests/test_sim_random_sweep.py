@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from adaserve.cli import main
+from adaserve.sim import random_report as report
 from adaserve.sim import random_sweep as rs
 from adaserve.sim.costmodel import load_profile
 
@@ -177,7 +178,7 @@ def test_sweep_is_deterministic_and_writes_table_and_plot(
     two = rs.run_random_sweep(3, 11, duration_s=5.0, workers=2, progress=False)
     assert json.dumps(one) == json.dumps(two)
     assert [r["name"] for r in one] == [f"random-11-{i}" for i in range(3)]
-    paths = rs.write(one, tmp_path, "header")
+    paths = report.write(one, tmp_path, "header")
     assert [p.name for p in paths] == ["random_sweep.json", "random_sweep.md", "random_sweep.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     table = (tmp_path / "random_sweep.md").read_text()
@@ -364,9 +365,9 @@ def test_worst_class_names_where_adaserve_loses() -> None:
         "best_baseline": "cb",
         "policies": {"adaserve": run(0.4, 0.4, 1.0, 0.8), "cb": run(0.9, 0.9, 1.0, 0.9)},
     }
-    assert rs.worst_class(result) == "c0 (30%): TTFT 0.400 vs 0.900, TPOT 1.000 vs 1.000"
+    assert report.worst_class(result) == "c0 (30%): TTFT 0.400 vs 0.900, TPOT 1.000 vs 1.000"
     result["policies"]["adaserve"] = run(0.9, 0.9, 1.0, 0.95)
-    assert rs.worst_class(result) == "-"  # no class where adaserve misses more
+    assert report.worst_class(result) == "-"  # no class where adaserve misses more
 
 
 def test_cli_rejects_an_unknown_setting(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

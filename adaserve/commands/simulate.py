@@ -194,7 +194,8 @@ def _sweep(args: argparse.Namespace, workload) -> int:
 
 
 def _random_sweep(args: argparse.Namespace) -> int:
-    from adaserve.sim.random_sweep import POLICIES, run_random_sweep, write
+    from adaserve.sim.random_report import write
+    from adaserve.sim.random_sweep import POLICIES, run_random_sweep
 
     if args.workload or args.values or args.units or args.routing:
         raise ValueError("--sweep random draws its own workloads: no workload, --values")
