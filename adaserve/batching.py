@@ -176,8 +176,9 @@ def form_batch(
     # them wait on no SLO, and take only the time every decoding request can spare.
     slack_ms, waited_on = limit_ms, remaining
     if limits.slo_prefill:
-        slack_ms = min(limit_ms, _slack_ms(decoding, limits, decode_ms))
         waited_on = sum(p.remaining for p in order if p.waited_on)
+        if waited_on < remaining:  # (the slack caps only prompts no SLO waits on)
+            slack_ms = min(limit_ms, _slack_ms(decoding, limits, decode_ms))
 
     def fill(t: int) -> int:
         full = most_prefill(t, limit_ms)
