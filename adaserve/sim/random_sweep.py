@@ -310,8 +310,8 @@ def find_rate(
         if abs((runs_there[best]["slo_attainment"] or 0.0) - mid) >= abs(att - mid):
             break  # no nearer the band past a cliff: the rate it started from stays
         rate, runs = further, runs_there
-    else:  # the last round's rate: every baseline runs there too
-        runs |= {p: _simulate(workload, p, rate) for p in every if p not in runs}
+    # Every baseline at the rate kept (a no-op unless the last round moved it).
+    runs |= {p: _simulate(workload, p, rate) for p in every if p not in runs}
     return rate, runs, tried
 
 
