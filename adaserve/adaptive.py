@@ -19,6 +19,11 @@ requests, at the depth that makes them fastest while the iteration it stretches 
 every other request within `slack_margin` of its own SLO: their slack pays for the tight
 requests' speed, which is the product (a batch of equal SLOs gets no such plan).
 
+The cap counts the prompt tokens expected to ride along in the iteration as a fixed
+cost (`prefill_tokens`; the engine passes them under policy adaserve where no TTFT SLO
+waits on the prefill, `planner.riding_prefill`): the decoders wait for the chunk at any
+depth, so a deeper chain keeps their TPOT where prefill runs beside them.
+
 With `draft_stop_prob`, where the cost cap plans a chain of two or more steps the depth
 is the policy's own (eq. 8 at light load reaches d_max) and the drafter stops each
 request's beam search once none of its beams is likely enough to be accepted: the
@@ -51,9 +56,12 @@ TIGHT_LEVEL = 1.1
 ALPHA_MIN, ALPHA_MAX = 0.05, 0.95
 
 
-def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[int, int]:
+def plan_depth_width(
+    n: int, budget: int, settings: AdaptiveSettings, prefill_tokens: int = 0
+) -> tuple[int, int]:
     """(depth, width) for n active requests and a verifier budget B: width >= 1, depth
-    >= d_min (depth 0, only with d_min = 0, is plain decoding for this iteration)."""
+    >= d_min (depth 0, only with d_min = 0, is plain decoding for this iteration).
+    `prefill_tokens`: prompt tokens expected to ride along in the iteration (cost_depth)."""
     if n < 0:
         raise ValueError(f"n: number of active requests must be >= 0, got {n}")
     if budget < 1:
@@ -65,14 +73,14 @@ def plan_depth_width(n: int, budget: int, settings: AdaptiveSettings) -> tuple[i
     if s.policy == "v1":
         depth = max(1, min(s.d_max, -(-budget // n)))
         width = max(1, min(s.w_max, budget // n))
-        return _capped(depth, cost_depth(n, budget, s), s), width
+        return _capped(depth, cost_depth(n, budget, s, prefill_tokens), s), width
     b1 = s.b1 if s.b1 is not None else budget
     b2 = s.b2 if s.b2 is not None else budget
     # n + c1 <= 0 would divide by zero or flip the sign: treat it as the deepest plan.
     depth = b1 // (n + s.c1) - 1 if n + s.c1 > 0 else s.d_max
     depth = _clip(depth, s.d_min, max(s.d_min, s.d_max))
     width = _clip(b2 // n + s.c2, 1, s.w_max)
-    return _capped(depth, cost_depth(n, budget, s), s), width
+    return _capped(depth, cost_depth(n, budget, s, prefill_tokens), s), width
 
 
 def _capped(depth: int, cap: int, s: AdaptiveSettings) -> int:
@@ -87,17 +95,21 @@ def _capped(depth: int, cap: int, s: AdaptiveSettings) -> int:
     return min(depth, cap)
 
 
-def cost_depth(n: int, budget: int, s: AdaptiveSettings) -> int:
+def cost_depth(n: int, budget: int, s: AdaptiveSettings, prefill_tokens: int = 0) -> int:
     """The chain depth d that maximizes expected accepted tokens per unit of iteration
-    time, n * sum(alpha^j, j = 0..d) / (B + n * (d + 1) + d * (c + c_n * n)), with the
-    budget's own cost model (B is the knee: a forward of N tree tokens costs about
+    time, n * sum(alpha^j, j = 0..d) / (B + P + n * (d + 1) + d * (c + c_n * n)), with
+    the budget's own cost model (B is the knee: a forward of N tree tokens costs about
     B + N token-units; a draft step costs c = draft_cost_tokens plus c_n =
     draft_cost_tokens_per_request per request); no cap when draft_cost_tokens is None.
-    At least d_min; with d_min = 0, plain decoding (d = 0) is a candidate too."""
+    P = `prefill_tokens`, the prompt tokens riding along in the iteration: a fixed cost
+    the decoders wait for whatever their depth, so the deeper chain it makes worth
+    drafting is what keeps their TPOT where prefill runs beside them. At least d_min;
+    with d_min = 0, plain decoding (d = 0) is a candidate too."""
     if s.draft_cost_tokens is None:
         return max(s.d_min, s.d_max)  # no cap (d_min wins where it exceeds d_max)
     d = np.arange(min(s.d_min, 1), max(s.d_min, s.d_max) + 1)
-    rate = n * _chain_tokens(d, s) / _iteration_cost(budget, n, n, d, s, s.draft_cost_tokens)
+    cost = _iteration_cost(budget, n, n, d, s, s.draft_cost_tokens) + max(prefill_tokens, 0)
+    rate = n * _chain_tokens(d, s) / cost
     return max(s.d_min, int(d[np.argmax(rate)]))
 
 

@@ -119,6 +119,28 @@ def test_cost_cap_picks_the_depth_with_most_tokens_per_unit_time():
     assert plan_depth_width(40, 128, s)[0] <= plan_depth_width(5, 128, s)[0]
 
 
+def test_prefill_riding_along_is_a_fixed_cost_that_deepens_the_chain():
+    """Prompt tokens in the iteration cost the decoders the same at any depth: with them
+    in the denominator, a deeper chain pays (the CPU profile's settings in the simulator:
+    2 decoders, a 5.2-token draft step, 19 prompt tokens an iteration)."""
+    s = AdaptiveSettings(d_min=1, d_max=6, w_max=2, draft_cost_tokens=5.2, acceptance=0.75)
+
+    def rate(d: int, p: int) -> float:
+        return 2 * sum(0.75**j for j in range(d + 1)) / (16 + p + 2 * (d + 1) + 5.2 * d)
+
+    for p in (0, 8, 19, 64, 400):
+        best = max(range(1, 7), key=lambda d, p=p: rate(d, p))
+        assert plan_depth_width(2, 16, s, prefill_tokens=p)[0] == best  # (eq. 8 plans 6)
+    assert plan_depth_width(2, 16, s)[0] == plan_depth_width(2, 16, s, prefill_tokens=0)[0]
+    assert plan_depth_width(2, 16, s, prefill_tokens=19)[0] > plan_depth_width(2, 16, s)[0]
+    depths = [plan_depth_width(2, 16, s, prefill_tokens=p)[0] for p in range(0, 400, 7)]
+    assert depths == sorted(depths)  # more prefill never plans a shallower chain
+    # The eq. 8 depth still bounds it, and without a cost model prefill changes nothing.
+    assert plan_depth_width(40, 128, s, prefill_tokens=10_000)[0] == 128 // 40 - 1
+    free = s.model_copy(update={"draft_cost_tokens": None})
+    assert plan_depth_width(2, 16, free, prefill_tokens=50) == plan_depth_width(2, 16, free)
+
+
 def test_cost_cap_keeps_d_min_and_leaves_fixed_alone():
     s = AdaptiveSettings(d_min=3, d_max=6, draft_cost_tokens=1000.0)
     assert plan_depth_width(50, 128, s)[0] == 3

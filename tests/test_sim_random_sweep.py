@@ -381,16 +381,21 @@ def test_prompts_without_a_ttft_slo_wait_for_the_decoders_slack() -> None:
     1.3x TPOT SLO and ~1.2k-token prompts), at the rate the sweep found for it: with
     the prefill stretch shared by every prompt, adaserve's tight class met its TPOT
     SLO on 2 of 22 requests (spec-3: 20). `scheduler.slo_prefill` prefills prompts
-    without a TTFT SLO only in the decoders' slack."""
+    without a TTFT SLO only in the decoders' slack: 12 of 22. (Since the depth's cost
+    cap counts the prefill riding along, which deepens the chains in both runs: 14 of 22
+    without it, 17 with it.)"""
     wl = rs.draw_workload(2, 23, 30.0)
     rate = 0.7182298768603187
     off = rs._simulate(wl, "adaserve", rate, {"scheduler": {"slo_prefill": False}})
     on = rs._simulate(wl, "adaserve", rate)
     tight = min(wl.classes, key=lambda c: wl.classes[c].slo.baseline_scale or math.inf)
-    assert (
-        on["per_class"][tight]["tpot_attainment"]
-        >= off["per_class"][tight]["tpot_attainment"] + 0.4
-    )
+    n = on["per_class"][tight]["requests"]
+    assert n == off["per_class"][tight]["requests"] == 22
+    met = {
+        k: round(r["per_class"][tight]["tpot_attainment"] * n)
+        for k, r in (("on", on), ("off", off))
+    }
+    assert met["on"] >= met["off"] + 2  # at least two more of the tight class on pace
     assert on["slo_attainment"] > off["slo_attainment"]
     assert on["ttft_attainment"] == off["ttft_attainment"] == 1.0  # no TTFT SLO to miss
 

@@ -171,6 +171,8 @@ class Engine:
         # The last iteration's prompts needed more prefill than it carried (BatchPlan):
         # the prompt hold then admits (a held prompt would join a late queue).
         self.ttft_short = False
+        # Prompt tokens the last iteration carried (planner.riding_prefill).
+        self.last_prefill_tokens = 0
         self.recompute: set[str] = set()  # requests whose features the target recomputes
         self._floor: SLOFloor | None = None  # the floor every report reads (slo_floor)
         self.iterations = 0

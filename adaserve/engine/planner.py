@@ -56,6 +56,7 @@ def form_step(eng: Engine) -> StepPlan:
         if len(drafted) < len(behind):  # (at the planned depth: a smaller batch's deeper
             batch = split.plan(drafted, depth, width)  # plan would cost prefill more)
     eng.ttft_short = batch.ttft_short
+    eng.last_prefill_tokens = batch.prefill_tokens
     chunks = []
     for rid, n in batch.chunks:
         r = eng.pool.running[rid]
@@ -94,7 +95,7 @@ class _Split:
                 r.req.priority,
                 r.arrival * 1000.0,
                 r.prefilled,
-                r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost,
+                _ttft_bound(r),
                 r.num_generated > 0,
             )
             for r in prefilling
@@ -183,12 +184,13 @@ def plan_drafts(
     # there counts too: an overestimate for one iteration at most.
     arriving = eng.pool.inbox.qsize()
     n = min(len(batch) + prefilling + arriving, eng.settings.engine.max_running)
-    depth, width = plan_depth_width(n, budget, adaptive)
+    riding = riding_prefill(eng)
+    depth, width = plan_depth_width(n, budget, adaptive, riding)
     if depth > 0:
         # Policy adaserve: planned for the tree tokens the tightest SLO allows.
         slo_budget = tree_budget(eng, batch, depth, adaptive)
         if slo_budget > budget:
-            depth, width = plan_depth_width(n, slo_budget, adaptive)
+            depth, width = plan_depth_width(n, slo_budget, adaptive, riding)
         return [r for r in batch if draftable(eng, r)], depth, width
     # Drafting for the whole batch does not pay, but SLO comes before throughput.
     # Requests that plain decoding would leave behind their SLO still get trees, and
@@ -206,6 +208,29 @@ def plan_drafts(
         return [], 0, width
     depth, width = plan_depth_width(len(drafted), budget, adaptive)
     return drafted, slack_depth or depth, width
+
+
+def riding_prefill(eng: Engine) -> int:
+    """Prompt tokens the coming iteration should carry beside its decoders, as the depth's
+    cost model counts them (adaptive.cost_depth; policy adaserve): the last iteration's,
+    while prompts are still to prefill and no TTFT SLO waits on one being prefilled.
+    There the chunk is a fixed cost the decoders wait for whatever their depth, and a
+    deeper chain is what keeps their TPOT (the random sweep's CPU draws: 5 of 8 workloads
+    where prefill rides along most iterations planned depth 1 and lost to a fixed chain
+    of 2-3, BENCHMARKS.md). Where a TTFT SLO waits, a longer iteration would be paid in
+    prefill: 0, the plan without prefill."""
+    if eng.settings.scheduler.policy != "adaserve" or not eng.pool.prefill_queue:
+        return 0
+    if any(_ttft_bound(r) for r in eng.pool.running.values()):
+        return 0
+    return eng.last_prefill_tokens
+
+
+def _ttft_bound(r: Request) -> bool:
+    """A TTFT SLO, not yet lost, waits on this request's prefill."""
+    return (
+        r.prefilling and r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost
+    )
 
 
 def tree_budget(
