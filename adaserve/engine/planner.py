@@ -215,10 +215,10 @@ def riding_prefill(eng: Engine) -> int:
     cost model counts them (adaptive.cost_depth; policy adaserve): the last iteration's,
     while prompts are still to prefill and no TTFT SLO waits on one being prefilled.
     There the chunk is a fixed cost the decoders wait for whatever their depth, and a
-    deeper chain is what keeps their TPOT (the random sweep's CPU draws: 5 of 8 workloads
-    where prefill rides along most iterations planned depth 1 and lost to a fixed chain
-    of 2-3, BENCHMARKS.md). Where a TTFT SLO waits, a longer iteration would be paid in
-    prefill: 0, the plan without prefill."""
+    deeper chain is what keeps their TPOT (the random sweep's CPU draws, where prompts
+    rode along in most iterations and fixed chains of 1-3 beat adaserve on its tight
+    class's TPOT: BENCHMARKS.md, "Prefill riding along"). Where a TTFT SLO waits, a
+    longer iteration would be paid in prefill: 0, the plan without prefill."""
     if eng.settings.scheduler.policy != "adaserve" or not eng.pool.prefill_queue:
         return 0
     if any(_ttft_bound(r) for r in eng.pool.running.values()):
