@@ -384,24 +384,28 @@ def test_the_drafters_ingest_cost_is_measured_per_token_it_ingests(target_dir) -
     run_to_completion(engine, streams)
 
 
+def _prefilling(engine: Engine) -> list:
+    return [r for r in engine.pool.running.values() if r.prefilling]
+
+
 def test_prefill_riding_along_counts_in_the_depth_plan_unless_a_ttft_slo_waits_on_it(
     target_dir,
 ) -> None:
     # planner.riding_prefill: the prompt tokens the last iteration carried, while a
     # prompt is still to prefill and no TTFT SLO waits on one (policy adaserve only).
     engine = engine_with(target_dir, max_batch_tokens=48)
-    assert riding_prefill(engine) == 0  # idle
+    assert riding_prefill(engine, _prefilling(engine)) == 0  # idle
     decoder = engine.submit(req(0, PROMPTS[0], 40, 1e5))
     engine.step()
     engine.step()
-    assert riding_prefill(engine) == 0  # nothing left to prefill
+    assert riding_prefill(engine, _prefilling(engine)) == 0  # nothing left to prefill
     engine.submit(
         req(1, [t % 250 + 1 for t in range(300)], 4, 1e5)
     )  # no TTFT SLO: 300 prompt tokens
     engine.step()
     long = engine.pool.running["r1"]
     assert long.prefilling and 0 < engine.last_prefill_tokens < 300
-    assert riding_prefill(engine) == engine.last_prefill_tokens
+    assert riding_prefill(engine, _prefilling(engine)) == engine.last_prefill_tokens
     waited = GenerationRequest(
         "ttft",
         tuple(range(1, 101)),
@@ -412,12 +416,12 @@ def test_prefill_riding_along_counts_in_the_depth_plan_unless_a_ttft_slo_waits_o
     engine.submit(waited)
     engine.step()
     assert engine.pool.running["ttft"].prefilling
-    assert riding_prefill(engine) == 0  # a TTFT SLO waits on the prompts
+    assert riding_prefill(engine, _prefilling(engine)) == 0  # a TTFT SLO waits on the prompts
     paper = engine_with(target_dir, max_batch_tokens=48)
     paper.settings.scheduler.policy = "paper"
     paper.submit(req(0, PROMPTS[0], 40, 1e5))
     paper.step()
     paper.submit(req(1, [t % 250 + 1 for t in range(300)], 4, 1e5))
     paper.step()
-    assert paper.pool.running["r1"].prefilling and riding_prefill(paper) == 0
+    assert paper.pool.running["r1"].prefilling and riding_prefill(paper, _prefilling(paper)) == 0
     run_to_completion(engine, [decoder])

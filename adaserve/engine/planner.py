@@ -41,7 +41,7 @@ def form_step(eng: Engine) -> StepPlan:
     running = eligible(eng)
     decoding = [r for r in running if not r.prefilling]
     prefilling = [r for r in running if r.prefilling]
-    drafted, depth, width = plan_drafts(eng, decoding, len(prefilling))
+    drafted, depth, width = plan_drafts(eng, decoding, prefilling)
     sched = eng.settings.scheduler
     yields = sched.policy == "adaserve" and sched.yield_to_prefill
     split = _Split(eng, decoding, prefilling, yields)
@@ -163,7 +163,7 @@ def _chunk(eng: Engine, r: Request, n: int) -> PrefillChunk | None:
 
 
 def plan_drafts(
-    eng: Engine, batch: list[Request], prefilling: int
+    eng: Engine, batch: list[Request], prefilling: list[Request]
 ) -> tuple[list[Request], int, int]:
     """(requests to draft for, depth, width). d and w are a pure function of n and
     the settings this process already holds: planning locally saves one of the three
@@ -183,8 +183,8 @@ def plan_drafts(
     # of a burst drafts deep alone while the rest are prefilled. An abort queued
     # there counts too: an overestimate for one iteration at most.
     arriving = eng.pool.inbox.qsize()
-    n = min(len(batch) + prefilling + arriving, eng.settings.engine.max_running)
-    riding = riding_prefill(eng)
+    n = min(len(batch) + len(prefilling) + arriving, eng.settings.engine.max_running)
+    riding = riding_prefill(eng, prefilling)
     depth, width = plan_depth_width(n, budget, adaptive, riding)
     if depth > 0:
         # Policy adaserve: planned for the tree tokens the tightest SLO allows.
@@ -210,7 +210,7 @@ def plan_drafts(
     return drafted, slack_depth or depth, width
 
 
-def riding_prefill(eng: Engine) -> int:
+def riding_prefill(eng: Engine, prefilling: list[Request]) -> int:
     """Prompt tokens the coming iteration should carry beside its decoders, as the depth's
     cost model counts them (adaptive.cost_depth; policy adaserve): the last iteration's,
     while prompts are still to prefill and no TTFT SLO waits on one being prefilled.
@@ -218,19 +218,16 @@ def riding_prefill(eng: Engine) -> int:
     deeper chain is what keeps their TPOT (the random sweep's CPU draws, where prompts
     rode along in most iterations and fixed chains of 1-3 beat adaserve on its tight
     class's TPOT: BENCHMARKS.md, "Prefill riding along"). Where a TTFT SLO waits, a
-    longer iteration would be paid in prefill: 0, the plan without prefill."""
+    longer iteration would be paid in prefill: 0, the plan without prefill.
+    `prefilling`: the running requests whose prompts are being prefilled (form_step's)."""
     if eng.settings.scheduler.policy != "adaserve" or not eng.pool.prefill_queue:
         return 0
-    if any(_ttft_bound(r) for r in eng.pool.running.values()):
-        return 0
-    return eng.last_prefill_tokens
+    return 0 if any(_ttft_bound(r) for r in prefilling) else eng.last_prefill_tokens
 
 
 def _ttft_bound(r: Request) -> bool:
-    """A TTFT SLO, not yet lost, waits on this request's prefill."""
-    return (
-        r.prefilling and r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost
-    )
+    """A TTFT SLO, not yet lost, waits on this prefilling request's prompt."""
+    return r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost
 
 
 def tree_budget(
