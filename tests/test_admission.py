@@ -425,3 +425,29 @@ def test_prefill_riding_along_counts_in_the_depth_plan_unless_a_ttft_slo_waits_o
     paper.step()
     assert paper.pool.running["r1"].prefilling and riding_prefill(paper, _prefilling(paper)) == 0
     run_to_completion(engine, [decoder])
+
+
+def test_output_is_the_targets_own_while_prefill_rides_along_in_the_depth_plan(
+    target_dir,
+) -> None:
+    # Lossless with the riding prefill in the cost cap: a decoder drafted for while a
+    # 300-token prompt without a TTFT SLO is prefilled in chunks beside it.
+    engine = engine_with(
+        target_dir,
+        max_batch_tokens=48,
+        drafter=BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32")),
+    )
+    engine.settings.scheduler.adaptive.draft_cost_tokens = 5.0
+    long_prompt = [t % 250 + 1 for t in range(300)]
+    streams = [engine.submit(req(0, PROMPTS[0], 40, 1e5))]
+    engine.step()
+    streams.append(engine.submit(req(1, long_prompt, 8, 1e5)))
+    riding = []
+    res = run_to_completion(
+        engine,
+        streams,
+        on_step=lambda _: riding.append(riding_prefill(engine, _prefilling(engine))),
+    )
+    assert max(riding) > 0  # the plan counted the chunks
+    assert res["tokens"]["r0"] == hf_greedy(target_dir, PROMPTS[0], 40)
+    assert res["tokens"]["r1"] == hf_greedy(target_dir, long_prompt, 8)
