@@ -91,7 +91,8 @@ def test_selection_params_follow_the_settings():
         budget=32, policy="equal", order="ascending_a", n_max=4, correction_factor=1.05
     )
     p = selection_params(s, depth=5, t_spec_ms=20.0)
-    assert p == SelectionParams(32, 5, pytest.approx(21.0), "equal", 4, "ascending_a")
+    assert p.t_spec_ms == pytest.approx(21.0)
+    assert p == SelectionParams(32, 5, p.t_spec_ms, "equal", 4, "ascending_a")
     # The inflated t_spec raises A(r) by t_spec * 0.05 / tpot for every request.
     params = selection_params(SchedulerSettings(budget=8), 3, 10.0)
     fig2 = select(FIG2_REQUESTS, [FIG2_R0, FIG2_R1], params)

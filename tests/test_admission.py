@@ -14,7 +14,7 @@ import pytest
 from adaserve import metrics
 from adaserve.adaptive import plan_depth_width
 from adaserve.config import load_settings
-from adaserve.drafter import DraftUpdate
+from adaserve.drafter import Drafter, DraftUpdate
 from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainable
 from adaserve.engine.admission import drafts_cost_more
 from adaserve.engine.estimates import ALPHA
@@ -36,7 +36,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def engine_with(
-    target_dir, *, kv_blocks: int = 512, drafter: object = None, **engine: object
+    target_dir, *, kv_blocks: int = 512, drafter: Drafter | None = None, **engine: object
 ) -> Engine:
     settings = load_settings(None, engine={"kv_block_size": 16, **engine})
     runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=kv_blocks)
@@ -64,6 +64,7 @@ def test_blocks_on_demand_admit_more_and_preempt_when_they_run_out(target_dir) -
     assert all(res["tokens"][f"r{i}"] == ref for i in range(4))
     assert metrics.preemptions_total._value.get() > preempted
     assert engine.target.kv_usage() == 0.0
+    assert isinstance(engine.target, RunnerTarget)
     engine.target.runner.cache.blocks.check()
 
 
@@ -159,6 +160,7 @@ def test_draft_state_is_released_in_batches_and_never_while_the_drafter_is_down(
         assert res["tokens"][f"r{i}"] == hf_greedy(target_dir, PROMPTS[i], 6)
     assert drafter.releases == []  # nothing attempted while it is down
     drafter.down = False
+    assert engine.drafter is not None
     engine.drafter._retry_at = 0.0  # skip the 1 s back-off
     engine.step()
     assert sorted(np.concatenate(drafter.releases).tolist()) == ["r0", "r1", "r2"]
@@ -177,7 +179,7 @@ def test_slo_is_judged_at_submit_against_the_honest_floor(target_dir) -> None:
     tight = engine.submit(req(0, PROMPTS[0], 4, 10.0))
     fine = engine.submit(req(1, PROMPTS[0], 4, floor.tpot_ms * 1.01))
     assert tight.verdict.best_effort and tight.verdict.floor_ms == floor.tpot_ms
-    assert "floor" in tight.verdict.reason
+    assert tight.verdict.reason is not None and "floor" in tight.verdict.reason
     assert not fine.verdict.best_effort and fine.verdict.reason is None
     res = run_to_completion(engine, [tight, fine])
     assert res["finish"] == {"r0": "length", "r1": "length"}
