@@ -19,6 +19,7 @@ from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainabl
 from adaserve.engine.admission import drafts_cost_more
 from adaserve.engine.estimates import ALPHA
 from adaserve.engine.planner import riding_prefill
+from adaserve.engine.state import Request
 from adaserve.methods import chain_tokens
 from adaserve.model.loader import load_runner
 from adaserve.request import GenerationRequest, SamplingParams
@@ -386,7 +387,7 @@ def test_the_drafters_ingest_cost_is_measured_per_token_it_ingests(target_dir) -
     run_to_completion(engine, streams)
 
 
-def _prefilling(engine: Engine) -> list:
+def _prefilling(engine: Engine) -> list[Request]:
     return [r for r in engine.pool.running.values() if r.prefilling]
 
 

@@ -212,15 +212,16 @@ def plan_drafts(
 
 def riding_prefill(eng: Engine, prefilling: list[Request]) -> int:
     """Prompt tokens the coming iteration should carry beside its decoders, as the depth's
-    cost model counts them (adaptive.cost_depth; policy adaserve): the last iteration's,
-    while prompts are still to prefill and no TTFT SLO waits on one being prefilled.
+    cost model counts them (adaptive.cost_depth; policy adaserve): the last
+    iteration's, while running requests are still being prefilled and no TTFT SLO waits
+    on one of them (a prompt still waiting for admission rides along in no chunk).
     There the chunk is a fixed cost the decoders wait for whatever their depth, and a
     deeper chain is what keeps their TPOT (the random sweep's CPU draws, where prompts
     rode along in most iterations and fixed chains of 1-3 beat adaserve on its tight
     class's TPOT: BENCHMARKS.md, "Prefill riding along"). Where a TTFT SLO waits, a
     longer iteration would be paid in prefill: 0, the plan without prefill.
     `prefilling`: the running requests whose prompts are being prefilled (form_step's)."""
-    if eng.settings.scheduler.policy != "adaserve" or not eng.pool.prefill_queue:
+    if eng.settings.scheduler.policy != "adaserve" or not prefilling:
         return 0
     return 0 if any(_ttft_bound(r) for r in prefilling) else eng.last_prefill_tokens
 
