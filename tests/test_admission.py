@@ -16,7 +16,7 @@ from adaserve.adaptive import plan_depth_width
 from adaserve.config import load_settings
 from adaserve.drafter import Drafter, DraftUpdate
 from adaserve.engine import FLOOR_HYSTERESIS, Engine, EngineFull, SLOUnattainable
-from adaserve.engine.admission import drafts_cost_more
+from adaserve.engine.admission import SLO_FIRST_MAX_WAIT_S, drafts_cost_more
 from adaserve.engine.estimates import ALPHA
 from adaserve.engine.planner import riding_prefill
 from adaserve.engine.state import Request
@@ -226,15 +226,10 @@ class _Clock:
         return self.t
 
 
-def _admission_order(
-    target_dir, submits: list[tuple[float, GenerationRequest]], defer_lost_ttft: bool = True
-) -> list[str]:
-    """One running slot: the order in which requests (submitted at the given times, the
-    first admitted alone, the clock then moving 10 ms a step) got their first token."""
+def _one_slot(target_dir, **scheduler: bool) -> tuple[Engine, _Clock]:
+    """An engine with one running slot, on a clock the test moves."""
     settings = load_settings(
-        None,
-        engine={"kv_block_size": 16, "max_running": 1},
-        scheduler={"defer_lost_ttft": defer_lost_ttft},
+        None, engine={"kv_block_size": 16, "max_running": 1}, scheduler=scheduler
     )
     runner = load_runner(target_dir, device="cpu", dtype="float32", kv_blocks=64)
     clock = _Clock()
@@ -245,6 +240,18 @@ def _admission_order(
         settings,
         clock=clock,
     )
+    return engine, clock
+
+
+def _admission_order(
+    target_dir,
+    submits: list[tuple[float, GenerationRequest]],
+    defer_lost_ttft: bool = True,
+    slo_prefill: bool = True,
+) -> list[str]:
+    """One running slot: the order in which requests (submitted at the given times, the
+    first admitted alone, the clock then moving 10 ms a step) got their first token."""
+    engine, clock = _one_slot(target_dir, defer_lost_ttft=defer_lost_ttft, slo_prefill=slo_prefill)
     streams = []
     for k, (at, r) in enumerate(submits):
         clock.t = 1000.0 + at
@@ -288,28 +295,99 @@ def test_a_tight_ttft_slo_is_admitted_ahead_of_relaxed_requests(target_dir) -> N
             (0.5, _r("tight-ttft", ttft_ms=200.0)),
         ],
     )
-    # Due: tight-ttft 0.7 s; plain-1 10.1, plain-2 10.3 and tight-tpot-plain 10.4 (no
-    # TTFT SLO: 10 s after arrival, so arrival order among them); relaxed-ttft 60.2.
-    assert order == ["busy", "tight-ttft", "plain-1", "plain-2", "tight-tpot-plain", "relaxed-ttft"]
+    # An SLO waits on the two with a TTFT SLO: they go first, by deadline (tight-ttft
+    # 0.7 s, relaxed-ttft 60.2 s). The rest are due 10 s after arrival (no TTFT SLO):
+    # plain-1 10.1, plain-2 10.3, tight-tpot-plain 10.4, arrival order among them.
+    assert order == ["busy", "tight-ttft", "relaxed-ttft", "plain-1", "plain-2", "tight-tpot-plain"]
+
+
+def test_a_request_no_slo_waits_on_goes_behind_those_one_waits_on_for_a_bounded_time(
+    target_dir,
+) -> None:
+    # "old" (no TTFT SLO) has waited past its due time (10 s after arrival) when
+    # "tight" comes, whose TTFT SLO can still be met: "old" would only sit in the slot
+    # while its prompt waits behind tight's (slo_prefill prefills tight's first), so
+    # tight goes first. Once "old" has waited SLO_FIRST_MAX_WAIT_S it goes by its due
+    # time again, ahead of every newcomer: none waits forever.
+    assert _admission_order(
+        target_dir, [(0.0, _r("busy")), (0.1, _r("old")), (12.0, _r("tight", ttft_ms=5000.0))]
+    ) == ["busy", "tight", "old"]
+    late = SLO_FIRST_MAX_WAIT_S + 1.0
+    assert _admission_order(
+        target_dir, [(0.0, _r("busy")), (0.1, _r("old")), (late, _r("tight", ttft_ms=5000.0))]
+    ) == ["busy", "old", "tight"]
+    # Without slo_prefill the prompts are prefilled by due time, and admitted so.
+    assert _admission_order(
+        target_dir,
+        [(0.0, _r("busy")), (0.1, _r("old")), (12.0, _r("tight", ttft_ms=5000.0))],
+        slo_prefill=False,
+    ) == ["busy", "old", "tight"]
 
 
 def test_requests_without_slos_are_not_starved_by_later_tight_ones(target_dir) -> None:
-    # A request without an SLO is due 10 s after arrival: past that, no newcomer is due
-    # before it, however tight its TTFT SLO. (tight-1's deadline passes while it
-    # waits, at 10.25 s: with defer_lost_ttft it then goes behind tight-2, due 15.3 s.)
+    # Without slo_prefill, a request without an SLO is due 10 s after arrival: past
+    # that, no newcomer is due before it, however tight its TTFT SLO. (tight-1's
+    # deadline passes while it waits, at 10.25 s: with defer_lost_ttft it then goes
+    # behind tight-2, due 15.3 s.)
     submits = [
         (0.0, _r("busy")),
         (0.1, _r("old")),
         (10.2, _r("tight-1", ttft_ms=50.0)),
         (10.3, _r("tight-2", ttft_ms=5000.0)),
     ]
-    assert _admission_order(target_dir, submits, defer_lost_ttft=False) == [
+    assert _admission_order(target_dir, submits, defer_lost_ttft=False, slo_prefill=False) == [
         "busy",
         "old",
         "tight-1",
         "tight-2",
     ]
-    assert _admission_order(target_dir, submits) == ["busy", "old", "tight-2", "tight-1"]
+    assert _admission_order(target_dir, submits, slo_prefill=False) == [
+        "busy",
+        "old",
+        "tight-2",
+        "tight-1",
+    ]
+    # With it (the default), those an SLO waits on go first: tight-1, then tight-2; once
+    # tight-1's deadline has passed, only tight-2, and tight-1 goes behind "old" (due
+    # 10.1 s, tight-1 as if without a TTFT SLO: 20.2 s).
+    assert _admission_order(target_dir, submits, defer_lost_ttft=False) == [
+        "busy",
+        "tight-1",
+        "tight-2",
+        "old",
+    ]
+    assert _admission_order(target_dir, submits) == ["busy", "tight-2", "old", "tight-1"]
+
+
+def test_a_ttft_slo_is_judged_against_the_prompts_prefilled_before_it(target_dir) -> None:
+    # Prompts without a TTFT SLO wait behind a busy slot, 10 s old: due (10 s after
+    # arrival) before a new prompt's TTFT deadline. Under slo_prefill (the default) they
+    # are prefilled after it, so they are not in its way: a TTFT SLO that covers its own
+    # prefill and half of theirs is attainable. Judged by due time alone (slo_prefill
+    # off, where they do go first) it is not.
+    prompt = tuple(PROMPTS[0])
+    for slo_prefill, best_effort in ((True, False), (False, True)):
+        engine, clock = _one_slot(target_dir, slo_prefill=slo_prefill)
+        clock.t = 1000.0
+        busy = GenerationRequest(
+            "busy", prompt, SamplingParams(max_tokens=50, ignore_eos=True), tpot_slo_ms=1e5
+        )
+        engine.submit(busy)
+        engine.step()
+        clock.t = 1000.1
+        for k in range(4):
+            engine.submit(_r(f"plain-{k}"))
+        engine.step()  # (publishes the queue the judgement reads)
+        queued = sum(left for _, left, _ in engine.pool.prefill_queue)
+        assert queued >= 4 * len(prompt)
+        n = engine.settings.engine.max_batch_tokens
+        ms_per_token = engine.latency.predict_ms(0, n) / n
+        clock.t = 1010.2
+        ttft_ms = (len(prompt) + queued / 2) * ms_per_token
+        tight = engine.submit(_r("tight", ttft_ms=ttft_ms))
+        assert tight.verdict.best_effort is best_effort, slo_prefill
+        if best_effort:
+            assert "prompt tokens due before it" in (tight.verdict.reason or "")
 
 
 def test_a_request_whose_ttft_slo_is_lost_goes_behind_those_that_can_meet_theirs(

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 # arrival: finite, so earliest-deadline order serves it eventually, and late enough that
 # requests with a TTFT SLO go first.
 UNSET_TTFT_ORDER_MS = 10_000.0
+# Policy adaserve (`scheduler.slo_prefill`) admits a request no SLO waits on behind
+# those one waits on, as it prefills them, for at most this long after its arrival:
+# then it goes by its due time again, so none waits forever for a running slot.
+SLO_FIRST_MAX_WAIT_S = 30.0
 
 
 # ---- at submit (any thread) ------------------------------------------------------------
@@ -89,14 +93,16 @@ def method_of(eng: Engine, req: GenerationRequest) -> str:
 def judge(eng: Engine, req: GenerationRequest) -> SLOVerdict:
     """Admission's judgement, at submit (before any token): a TPOT SLO below the
     floor, or a TTFT SLO shorter than prefilling this prompt and those due before it
-    takes at the best prefill rate this deployment reaches, is served best-effort."""
+    takes at the best prefill rate this deployment reaches, is served best-effort.
+    Under `slo_prefill` a prompt no SLO waits on is not before it, whatever its due
+    time (`admission_order`)."""
     floor = eng.slo_floor()
     verdict = judge_slo(req.tpot_slo_ms, floor.tpot_ms, floor.depth)
     ttft = req.ttft_slo_ms
     if verdict.best_effort or ttft is None:
         return verdict
     deadline = eng.clock() + ttft / 1000.0
-    ahead = sum(left for due, left in eng.pool.prefill_queue if due <= deadline)
+    ahead = sum(left for due, left, first in eng.pool.prefill_queue if first and due <= deadline)
     n = eng.settings.engine.max_batch_tokens
     need_ms = (ahead + len(req.prompt_token_ids)) * eng.latency.predict_ms(0, n) / n
     if need_ms <= ttft:
@@ -119,7 +125,7 @@ def intake(eng: Engine) -> bool:
     _drain_inbox(eng)
     _expire_deadlines(eng)
     _admit(eng)
-    eng.pool.publish_prefill_queue()
+    eng.pool.publish_prefill_queue(slo_first(eng))
     if not eng.pool.running:
         flush_releases(eng)
         return False
@@ -280,24 +286,45 @@ def defer_lost(eng: Engine, now: float) -> None:
             metrics.ttft_lost_total.labels(r.req.slo_class or "custom").inc()
 
 
-def admission_order(eng: Engine, r: Request, now: float) -> tuple[int, float, float, float]:
+def admission_order(eng: Engine, r: Request, now: float) -> tuple[int, bool, float, float, float]:
     """The waiting queue's order, which matters when slots or KV gate admission:
-    vLLM-style priority first (lower value first), then the earliest due time, then
-    the tighter TPOT SLO, then arrival. Due is the TTFT deadline of a request that has
-    not started (the one prefill chunks are ordered by), so a tight TTFT SLO is
-    admitted ahead of relaxed ones that came first; a request without a TTFT SLO is
-    due UNSET_TTFT_ORDER_MS after its arrival, so such requests keep arrival order
-    among themselves and none waits forever (past that point no later arrival is due
-    before it). A preempted request is due when its next token falls behind its TPOT
+    vLLM-style priority first (lower value first), then (policy adaserve with
+    `slo_prefill`) the requests an SLO waits on, then the earliest due time, then the
+    tighter TPOT SLO, then arrival. Due is the TTFT deadline of a request that has not
+    started (the one prefill chunks are ordered by), so a tight TTFT SLO is admitted
+    ahead of relaxed ones that came first; a request without a TTFT SLO is due
+    UNSET_TTFT_ORDER_MS after its arrival, so such requests keep arrival order among
+    themselves. A preempted request is due when its next token falls behind its TPOT
     SLO: a fixed instant, so it too reaches the front. `engine.admission_order:
-    arrival` keeps vLLM's order instead: priority, then arrival."""
+    arrival` keeps vLLM's order instead: priority, then arrival.
+
+    An SLO waits on a request that has a TTFT SLO it can still meet, or a first token
+    already (preempted: its TPOT). `slo_prefill` prefills those first; admitting one
+    that none waits on ahead of them, once its default due time came, only parked it in
+    a running slot, its prompt behind theirs, while a prompt that could still meet its
+    TTFT waited for that slot (the random sweep's slot-bound H100 and Qwen draws:
+    BENCHMARKS.md, "Admission in the prefill's order"). Past SLO_FIRST_MAX_WAIT_S of
+    waiting it goes by its due time again: none waits forever for a slot."""
     if eng.settings.engine.admission_order == "arrival":
-        return (r.req.priority, 0.0, 0.0, r.arrival)
+        return (r.req.priority, False, 0.0, 0.0, r.arrival)
     due = r.ttft_deadline
     if r.num_generated > 0:
         elapsed, decoded = r.elapsed_decoded(now)
         due = now + (r.req.tpot_slo_ms * (decoded + 1) - elapsed) / 1000.0
-    return (r.req.priority, due, r.req.tpot_slo_ms, r.arrival)
+    return (
+        r.req.priority,
+        slo_first(eng) and not r.slo_waits and now - r.arrival < SLO_FIRST_MAX_WAIT_S,
+        due,
+        r.req.tpot_slo_ms,
+        r.arrival,
+    )
+
+
+def slo_first(eng: Engine) -> bool:
+    """Policy adaserve with `scheduler.slo_prefill`: the prompts an SLO waits on
+    (`Request.slo_waits`) are prefilled, and admitted, before the others."""
+    sched = eng.settings.scheduler
+    return sched.policy == "adaserve" and sched.slo_prefill
 
 
 def _hold_prompts(eng: Engine) -> Callable[[Request], bool] | None:
@@ -329,7 +356,9 @@ def _hold_prompts(eng: Engine) -> Callable[[Request], bool] | None:
         # before it: prompts that arrive later with earlier deadlines go first, and
         # a hold that misses the TTFT it spends loses more than it saved.
         ahead = sum(
-            left for due, left in prefill_queue if sched.yield_to_prefill or due <= r.ttft_deadline
+            left
+            for due, left, _ in prefill_queue
+            if sched.yield_to_prefill or due <= r.ttft_deadline
         )
         return hold_prompt(r.ttft_deadline, now, ahead + r.prefill_target, ms_per_token)
 

@@ -299,7 +299,7 @@ class Engine:
             kv_usage=self.target.kv_usage(),
             tpot_curve=tuple((b, self.predicted_tpot_ms(b)) for b in sizes),
             tightest_slo_ms=min(held, default=0.0),
-            prefill_queue_tokens=sum(left for _, left in self.pool.prefill_queue),
+            prefill_queue_tokens=sum(left for _, left, _ in self.pool.prefill_queue),
             prefill_ms_per_token=planner.iteration_ms(self, 0, n) / n,
             draining=self._draining,
         )

@@ -95,6 +95,13 @@ class Request:
         t = self.req.timeout_s
         return None if t is None else self.arrival + t
 
+    @property
+    def slo_waits(self) -> bool:
+        """An SLO waits on its prefill (what policy adaserve's `slo_prefill` prefills
+        first): a TTFT SLO it can still meet, or a first token already (preempted: its
+        TPOT)."""
+        return (self.req.ttft_slo_ms is not None and not self.ttft_lost) or self.num_generated > 0
+
     def elapsed_decoded(self, now: float) -> tuple[float, int]:
         """(l_r ms since the first token, o_r tokens decoded since it): the two numbers
         A(r) reads (adaserve/slo.py)."""
@@ -135,9 +142,11 @@ class RequestPool:
         # would share the first one's KV sequence and fail the whole batch.
         self._live_ids: set[str] = set()
         self._live_lock = threading.Lock()
-        # (TTFT deadline s, prompt tokens left) of every prompt waiting for or in prefill,
-        # republished by the loop thread each step: submit reads it to judge a TTFT SLO.
-        self.prefill_queue: tuple[tuple[float, int], ...] = ()
+        # (TTFT deadline s, prompt tokens left, whether it is prefilled before a new
+        # prompt with a TTFT SLO due after it) of every prompt waiting for or in
+        # prefill, republished by the loop thread each step: submit reads it to judge a
+        # TTFT SLO.
+        self.prefill_queue: tuple[tuple[float, int, bool], ...] = ()
 
     def put(self, item: InboxItem) -> None:
         self.inbox.put(item)
@@ -157,9 +166,11 @@ class RequestPool:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or not self.inbox.empty())
 
-    def publish_prefill_queue(self) -> None:
+    def publish_prefill_queue(self, slo_first: bool) -> None:
+        """`slo_first`: prompts no SLO waits on go after those one waits on, whatever
+        their due time (policy adaserve's `slo_prefill`)."""
         self.prefill_queue = tuple(
-            (r.ttft_deadline, r.prefill_target - r.prefilled)
+            (r.ttft_deadline, r.prefill_target - r.prefilled, not slo_first or r.slo_waits)
             for r in [*self.waiting, *self.running.values()]
             if r.prefilling
         )
