@@ -18,7 +18,7 @@ from adaserve.adaptive import plan_depth_width
 from adaserve.batching import behind_tpot, hold_prompt
 from adaserve.detokenize import IncrementalDetokenizer
 from adaserve.engine.lifecycle import finish, flush_releases, guard
-from adaserve.engine.planner import adaptive_settings
+from adaserve.engine.planner import adaptive_settings, slo_first
 from adaserve.engine.recovery import use_prefix_cache
 from adaserve.engine.state import Request
 from adaserve.features import FeatureRows
@@ -318,13 +318,6 @@ def admission_order(eng: Engine, r: Request, now: float) -> tuple[int, bool, flo
         r.req.tpot_slo_ms,
         r.arrival,
     )
-
-
-def slo_first(eng: Engine) -> bool:
-    """Policy adaserve with `scheduler.slo_prefill`: the prompts an SLO waits on
-    (`Request.slo_waits`) are prefilled, and admitted, before the others."""
-    sched = eng.settings.scheduler
-    return sched.policy == "adaserve" and sched.slo_prefill
 
 
 def _hold_prompts(eng: Engine) -> Callable[[Request], bool] | None:

@@ -82,8 +82,7 @@ class _Split:
         self, eng: Engine, decoding: list[Request], prefilling: list[Request], yields: bool
     ) -> None:
         self.eng, self.decoding, self.yields = eng, decoding, yields
-        sched = eng.settings.scheduler
-        self.slo_prefill = sched.policy == "adaserve" and sched.slo_prefill
+        self.slo_prefill = slo_first(eng)
         self.adaptive = adaptive_settings(eng)
         self.now = eng.clock()
         self.progress = [r.decoding(self.now) for r in decoding]
@@ -95,7 +94,7 @@ class _Split:
                 r.req.priority,
                 r.arrival * 1000.0,
                 r.prefilled,
-                _ttft_bound(r),
+                r.ttft_bound,
                 r.num_generated > 0,
             )
             for r in prefilling
@@ -223,12 +222,14 @@ def riding_prefill(eng: Engine, prefilling: list[Request]) -> int:
     `prefilling`: the running requests whose prompts are being prefilled (form_step's)."""
     if eng.settings.scheduler.policy != "adaserve" or not prefilling:
         return 0
-    return 0 if any(_ttft_bound(r) for r in prefilling) else eng.last_prefill_tokens
+    return 0 if any(r.ttft_bound for r in prefilling) else eng.last_prefill_tokens
 
 
-def _ttft_bound(r: Request) -> bool:
-    """A TTFT SLO, not yet lost, waits on this prefilling request's prompt."""
-    return r.req.ttft_slo_ms is not None and r.num_generated == 0 and not r.ttft_lost
+def slo_first(eng: Engine) -> bool:
+    """Policy adaserve with `scheduler.slo_prefill`: the prompts an SLO waits on
+    (`Request.slo_waits`) are prefilled, and admitted, before the others."""
+    sched = eng.settings.scheduler
+    return sched.policy == "adaserve" and sched.slo_prefill
 
 
 def tree_budget(

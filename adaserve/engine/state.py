@@ -96,11 +96,16 @@ class Request:
         return None if t is None else self.arrival + t
 
     @property
+    def ttft_bound(self) -> bool:
+        """A TTFT SLO, not yet lost, waits on its first token."""
+        return self.req.ttft_slo_ms is not None and self.num_generated == 0 and not self.ttft_lost
+
+    @property
     def slo_waits(self) -> bool:
         """An SLO waits on its prefill (what policy adaserve's `slo_prefill` prefills
         first): a TTFT SLO it can still meet, or a first token already (preempted: its
         TPOT)."""
-        return (self.req.ttft_slo_ms is not None and not self.ttft_lost) or self.num_generated > 0
+        return self.ttft_bound or self.num_generated > 0
 
     def elapsed_decoded(self, now: float) -> tuple[float, int]:
         """(l_r ms since the first token, o_r tokens decoded since it): the two numbers
