@@ -198,6 +198,14 @@ def test_sweep_is_deterministic_and_writes_table_and_plot(
     again = rs.run_random_sweep(3, 11, duration_s=5.0, progress=False, reuse=data["workloads"])
     assert calls == ["adaserve"] * 3
     assert [r["rps"] for r in again] == [r["rps"] for r in one]
+    # a draw whose profile's tables changed since (its digest differs) runs whole:
+    # the rate search and every baseline, not adaserve alone on stale baselines
+    calls.clear()
+    stale = [dict(w) for w in data["workloads"]]
+    stale[1]["profile_digest"] = "re-measured"
+    rs.run_random_sweep(3, 11, duration_s=5.0, progress=False, reuse=stale)
+    assert calls.count("adaserve") == 3 and len(calls) > 3
+    assert set(calls) >= {"spec-2", "cb-priority"}
 
 
 def test_cli_runs_a_tiny_real_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -383,8 +391,9 @@ def test_prompts_without_a_ttft_slo_wait_for_the_decoders_slack() -> None:
     SLO on 2 of 22 requests (spec-3: 20). `scheduler.slo_prefill` prefills prompts
     without a TTFT SLO only in the decoders' slack: 12 of 22. (Since the depth's cost
     cap counts the prefill riding along, which deepens the chains in both runs: 14 of 22
-    without it, 17 with it.)"""
-    wl = rs.draw_workload(2, 23, 30.0)
+    without it, 17 with it.) On the float32 CPU profile the draw was found on: the
+    sweep's CPU profile is since the stored-weight server's."""
+    wl = rs.draw_workload(2, 23, 30.0).model_copy(update={"profile": "smollm2-135m-cpu-fp32"})
     rate = 0.7182298768603187
     off = rs._simulate(wl, "adaserve", rate, {"scheduler": {"slo_prefill": False}})
     on = rs._simulate(wl, "adaserve", rate)

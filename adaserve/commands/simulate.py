@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--reuse",
         metavar="JSON",
         help="--sweep random: an earlier random_sweep.json of the same seed and duration; "
-        "its rates and every policy's runs but adaserve's are kept (re-run adaserve only)",
+        "its rates and every policy's runs but adaserve's are kept (re-run adaserve only; "
+        "a draw whose profile tables changed since runs again whole)",
     )
     p.add_argument(
         "--fresh-trace",

@@ -58,6 +58,7 @@ workload the table also names the class where adaserve loses most to the best ba
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -375,6 +376,7 @@ def run_workload(
     out = {
         "name": workload.name,
         "profile": workload.profile,
+        "profile_digest": profile_digest(workload.profile),
         "description": workload.description,
         "workload": workload.model_dump(mode="json"),
         "rps": rate,
@@ -388,6 +390,15 @@ def run_workload(
         out["chosen_on_reused"] = chosen
         out["violations_ratio_chosen"] = violations_ratio(results[chosen], results["adaserve"])
     return out
+
+
+def profile_digest(name: str) -> str:
+    """A digest of a shipped profile's tables (not its name or description): a reused
+    result measured on other tables runs again whole (`run_random_sweep`)."""
+    from adaserve.sim.costmodel import load_profile
+
+    tables = load_profile(name).model_dump(mode="json", exclude={"name", "description"})
+    return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def violations_ratio(theirs: dict[str, Any], ours: dict[str, Any]) -> float:
@@ -435,7 +446,7 @@ def run_random_sweep(
 ) -> list[dict[str, Any]]:
     """One result per workload, in index order (the same for any worker count).
     `reuse`: the workloads of an earlier sweep's JSON; one drawn alike (same seed,
-    index, duration and code) keeps its rate and its runs of every policy not in
+    index, duration and code, on the same profile tables) keeps its rate and its runs of every policy not in
     `rerun`, so a change to policy adaserve alone re-runs only it, on the same traces.
     `partial`: a JSON file rewritten with the workloads done so far, in order.
     `overrides`: adaserve settings (`--set`) for policy adaserve's runs: a candidate
@@ -454,8 +465,12 @@ def run_random_sweep(
     for i in range(n):
         wl = draw_workload(seed, i, duration_s, deployment)
         old = earlier.get(wl.name)
-        if old is not None and old["workload"] != wl.model_dump(mode="json"):
-            old = None  # drawn differently (another duration or generator): run it all
+        if old is not None and (
+            old["workload"] != wl.model_dump(mode="json")
+            # its profile re-measured since, or a result that cannot tell (no digest)
+            or old.get("profile_digest") != profile_digest(wl.profile)
+        ):
+            old = None  # drawn differently (another duration, generator or profile): run it all
         if fresh and old is None:
             raise ValueError(f"--fresh-trace: {wl.name} is not in the reused sweep (drawn alike)")
         tasks.append((wl, tuple(policies), old, tuple(rerun), overrides, fresh))
