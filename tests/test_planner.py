@@ -1,0 +1,61 @@
+"""The iteration's plan (adaserve/engine/planner.py): no draft step where the tree
+budget leaves no token past the roots."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaserve.config import load_settings
+from adaserve.engine import Engine
+from adaserve.engine.planner import form_step
+from adaserve.model.loader import load_runner
+from adaserve.runner_target import RunnerTarget
+from adaserve.scheduler import LocalScheduler
+from adaserve.speculate import BeamDrafter
+from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model(tmp_path_factory.mktemp("planner-target"), "llama", seed=0)
+
+
+def _engine(target_dir, budget: int) -> Engine:
+    settings = load_settings(
+        None,
+        scheduler={"budget": budget, "adaptive": {"d_min": 1}},
+        engine={"kv_block_size": 16},
+    )
+    drafter = BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32"))
+    return Engine(
+        target=RunnerTarget(load_runner(target_dir, device="cpu", dtype="float32"), ()),
+        drafter=drafter,
+        scheduler=LocalScheduler(settings.scheduler),
+        settings=settings,
+    )
+
+
+@pytest.mark.parametrize("budget", [2, 64])
+def test_no_draft_step_where_no_drafted_token_could_be_verified(target_dir, budget) -> None:
+    # Three decoding requests with relaxed SLOs (none behind, so no SLO tree) and d_min
+    # 1: the depth plan drafts for every one. A knee budget of 2 leaves the split no
+    # token past the three roots, so the plan is plain decoding; 64 leaves room, and
+    # every request is drafted for. The output is the target's greedy output either way.
+    engine = _engine(target_dir, budget)
+    prompts = [list(PROMPTS[i]) for i in range(3)]
+    streams = [engine.submit(req(i, p, 12, 1e5)) for i, p in enumerate(prompts)]
+    engine.step()  # admitted (and prefilled, prompts this short)
+    while any(r.prefilling for r in engine.pool.running.values()) or engine.pool.waiting:
+        engine.step()
+    plan = form_step(engine)
+    assert len(plan.decoding) == 3
+    if budget == 2:
+        assert plan.batch.tree_budget <= 3
+        assert (plan.drafted, plan.depth) == ([], 0)
+    else:
+        assert plan.batch.tree_budget > 3
+        assert len(plan.drafted) == 3 and plan.depth >= 1
+    out = run_to_completion(engine, streams)
+    for i, p in enumerate(prompts):
+        assert out["tokens"][f"r{i}"] == hf_greedy(target_dir, p, 12)
