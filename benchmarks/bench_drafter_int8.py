@@ -60,7 +60,11 @@ def main() -> int:
     args = p.parse_args()
 
     engine = build_engine(load_settings(args.config, model={"drafter_quantization": "none"}))
-    int8 = build_drafter(load_settings(args.config, model={"drafter_quantization": "int8"}))
+    # Wrapped as the engine wraps its own (the fallback the engine's stats read).
+    int8 = engine._wrap(
+        build_drafter(load_settings(args.config, model={"drafter_quantization": "int8"})),
+        engine.draft_history,
+    )
     modes = {"plain": None, "fp32": engine.drafter, "int8": int8}
     rates: dict[str, list[float]] = {m: [] for m in modes}
     steps = dict.fromkeys(modes, 0)

@@ -55,11 +55,12 @@ def form_step(eng: Engine) -> StepPlan:
         drafted = [r for r, b in zip(drafted, behind, strict=True) if b]
         if len(drafted) < len(behind):  # (at the planned depth: a smaller batch's deeper
             batch = split.plan(drafted, depth, width)  # plan would cost prefill more)
-    if drafted and batch.tree_budget <= len(decoding):
+    if sched.policy == "adaserve" and drafted and batch.tree_budget <= len(decoding):
         # The split leaves the trees no token past their roots (a knee below the batch,
         # or prefill deadlines took the rest): no drafted token could be verified, and
         # the draft step would only lengthen the iteration. Plain decoding, planned as
-        # such (the draft step's time goes to the prompts).
+        # such (the draft step's time goes to the prompts). Policy adaserve only: the
+        # baselines draft as the systems they stand for do.
         drafted, depth, width = [], 0, 1
         batch = split.plan(drafted, depth, width)
     eng.ttft_short = batch.ttft_short
