@@ -25,7 +25,6 @@ from bench_spec_server import PROMPTS
 from adaserve.config import load_settings
 from adaserve.engine import Engine
 from adaserve.engine_build import build_drafter, build_engine
-from adaserve.fallback import FallbackDrafter
 from adaserve.request import GenerationRequest, SamplingParams
 
 
@@ -61,13 +60,10 @@ def main() -> int:
     args = p.parse_args()
 
     engine = build_engine(load_settings(args.config, model={"drafter_quantization": "none"}))
-    # Wrapped as the engine wraps its own (the fallback whose health engine.stats() reads).
     raw = build_drafter(load_settings(args.config, model={"drafter_quantization": "int8"}))
     if raw is None:
         raise SystemExit(f"{args.config} names no drafter: nothing to compare")
-    int8 = FallbackDrafter(
-        raw, engine.draft_history, engine.target.vocab_size, clock=lambda: engine.clock()
-    )
+    int8 = engine.wrap_drafter(raw, engine.draft_history)
     modes = {"plain": None, "fp32": engine.drafter, "int8": int8}
     rates: dict[str, list[float]] = {m: [] for m in modes}
     steps = dict.fromkeys(modes, 0)

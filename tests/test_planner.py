@@ -5,35 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from adaserve.config import load_settings
-from adaserve.engine import Engine
 from adaserve.engine.planner import form_step
-from adaserve.model.loader import load_runner
-from adaserve.runner_target import RunnerTarget
-from adaserve.scheduler import LocalScheduler
-from adaserve.speculate import BeamDrafter
-from tests._engine import PROMPTS, hf_greedy, req, run_to_completion
-from tests.conftest import make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model(tmp_path_factory.mktemp("planner-target"), "llama", seed=0)
-
-
-def _engine(target_dir, budget: int, policy: str) -> Engine:
-    settings = load_settings(
-        None,
-        scheduler={"policy": policy, "budget": budget, "adaptive": {"d_min": 1}},
-        engine={"kv_block_size": 16},
-    )
-    drafter = BeamDrafter(load_runner(target_dir, device="cpu", dtype="float32"))
-    return Engine(
-        target=RunnerTarget(load_runner(target_dir, device="cpu", dtype="float32"), ()),
-        drafter=drafter,
-        scheduler=LocalScheduler(settings.scheduler),
-        settings=settings,
-    )
+from tests._engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
+from tests._engine import target_dir as target_dir  # the module's fixture
 
 
 @pytest.mark.parametrize(("policy", "budget"), [("adaserve", 2), ("adaserve", 64), ("global", 2)])
@@ -46,7 +20,11 @@ def test_no_draft_step_where_no_drafted_token_could_be_verified(
     # leaves room, and every request is drafted for. A baseline (policy global) drafts
     # whatever the budget, as the system it stands for does. The output is the target's
     # greedy output every time.
-    engine = _engine(target_dir, budget, policy)
+    engine = make_engine(
+        target_dir,
+        drafter_dir=target_dir,
+        scheduler={"policy": policy, "budget": budget, "adaptive": {"d_min": 1}},
+    )
     prompts = [list(PROMPTS[i]) for i in range(3)]
     streams = [engine.submit(req(i, p, 12, 1e5)) for i, p in enumerate(prompts)]
     engine.step()  # admitted (and prefilled, prompts this short)

@@ -135,8 +135,8 @@ class Engine:
         self.scheduler = FallbackScheduler(
             scheduler, self.local_scheduler, settings.scheduler.remote_select
         )
-        self.drafter = self._wrap(drafter, self.draft_history)
-        self.ngram = self._wrap(ngram, self.history)
+        self.drafter = self.wrap_drafter(drafter, self.draft_history)
+        self.ngram = self.wrap_drafter(ngram, self.history)
         self._wire_drafter(drafter)
         self.method_stats = {source: SourceStats() for source in SOURCES}
         # Per level, where it proposes: whether verifying its trees pays under load.
@@ -190,9 +190,12 @@ class Engine:
         self.quarantine = Quarantine()
         self.carrying: list[Request] | None = None
 
-    def _wrap(
+    def wrap_drafter(
         self, drafter: Drafter | None, history: Callable[[str], list[int]]
     ) -> FallbackDrafter | None:
+        """`drafter` as this engine runs it: behind the fallback that re-syncs it from
+        `history` and degrades to plain decoding while it fails (None where this
+        engine does not speculate). A drafter swapped into `self.drafter` needs it."""
         if drafter is None or not self.settings.engine.speculation:
             return None
         # The clock through a lambda: the engine's may be replaced after construction.

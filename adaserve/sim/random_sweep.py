@@ -58,6 +58,7 @@ workload the table also names the class where adaserve loses most to the best ba
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -392,9 +393,11 @@ def run_workload(
     return out
 
 
+@functools.cache
 def profile_digest(name: str) -> str:
     """A digest of a shipped profile's tables (not its name or description): a reused
-    result measured on other tables runs again whole (`run_random_sweep`)."""
+    result measured on other tables runs again whole (`run_random_sweep`). Once per
+    profile and process: the files do not change under a sweep."""
     from adaserve.sim.costmodel import load_profile
 
     tables = load_profile(name).model_dump(mode="json", exclude={"name", "description"})
