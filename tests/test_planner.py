@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from adaserve import metrics
 from adaserve.engine.planner import form_step
 from tests._engine import PROMPTS, hf_greedy, make_engine, req, run_to_completion
 from tests._engine import target_dir as target_dir  # the module's fixture
@@ -41,3 +42,43 @@ def test_no_draft_step_where_no_drafted_token_could_be_verified(
     out = run_to_completion(engine, streams)
     for i, p in enumerate(prompts):
         assert out["tokens"][f"r{i}"] == hf_greedy(target_dir, p, 12)
+
+
+def test_plans_without_room_keep_the_output_under_chunks_preemption_and_prefix_reuse(
+    target_dir,
+) -> None:
+    # A knee budget of 2: whenever two or more requests decode, the plan is plain
+    # decoding; one alone is drafted for. Prompts share a 40-token start (prefix cache
+    # hits), are prefilled in 16-token chunks, and 8 KV blocks of 16 cannot hold all
+    # four (preemption and recompute). The tokens are the plain engine's, and the first
+    # request's are Hugging Face's greedy ones.
+    shared = list(range(2, 42))
+    prompts = [[*shared, *own] for own in ([3, 4, 5], [9] * 7, [200], [7, 1, 7, 1])]
+    lengths = [20, 25, 15, 12]
+    outs, reports = {}, []
+    for spec in (True, False):
+        engine = make_engine(
+            target_dir,
+            drafter_dir=target_dir,
+            engine={
+                "speculation": spec,
+                "kv_blocks": 8,
+                "kv_watermark": 0.0,
+                "max_batch_tokens": 16,
+                "min_prefill_tokens": 16,
+            },
+            scheduler={"budget": 2, "adaptive": {"d_min": 1}},
+        )
+        hits = metrics.prefix_cache_hits._value.get()
+        streams = [
+            engine.submit(req(i, p, n, 1e5))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        outs[spec] = run_to_completion(engine, streams, reports=reports if spec else None)
+        assert metrics.prefix_cache_hits._value.get() > hits
+    assert outs[True]["tokens"] == outs[False]["tokens"]
+    assert outs[True]["tokens"]["r0"] == hf_greedy(target_dir, prompts[0], lengths[0])
+    assert any(r.preempted for r in reports)
+    # Plain iterations of two or more decoders, and drafted ones of one.
+    assert any(len(r.sources) >= 2 and set(r.sources.values()) == {"none"} for r in reports)
+    assert any("model" in r.sources.values() for r in reports)
