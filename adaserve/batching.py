@@ -154,7 +154,10 @@ def form_batch(
     cap = limits.max_batch_tokens
     order = prefill_order(prefilling, limits.slo_prefill)
     if n == 0:
-        chunks = _chunks(order, min(cap, remaining))
+        tokens = min(cap, remaining)
+        if limits.slo_prefill:
+            order = _prefill_only_order(prefilling, order, forward_ms, tokens, now_ms)
+        chunks = _chunks(order, tokens)
         return BatchPlan(chunks, n, 0, math.inf, chunk_context(chunks, order))
 
     predicted = forward_ms(trees, 0, 0.0)
@@ -225,6 +228,36 @@ def prefill_order(prefilling: Sequence[Prefilling], ttft_first: bool) -> list[Pr
             p.id,
         ),
     )
+
+
+# How much faster than the coming iteration's the prefill may be assumed to go when a
+# prompt without a TTFT SLO is served ahead of one with it (`_prefill_only_order`): at
+# half that pace the deadlines must still hold.
+DEADLINE_ORDER_MARGIN = 2.0
+
+
+def _prefill_only_order(
+    prefilling: Sequence[Prefilling],
+    slo_order: list[Prefilling],
+    forward_ms: ForwardCost,
+    tokens: int,
+    now_ms: float,
+) -> list[Prefilling]:
+    """The prompts' order for an iteration that no request decodes in, under
+    `slo_prefill`: earliest deadline first (a prompt without a TTFT SLO by its default
+    one, as continuous batching orders them) wherever that order still meets every TTFT
+    deadline at half this iteration's pace, else `slo_order` (those with a TTFT SLO
+    first). With no decoder, the stretch and the slack do not apply: every prompt
+    takes the whole chunk, and the order alone decides who waits. Put first whatever
+    its deadline, a 6.5k-token prompt due in 26 s held the short prompts behind it
+    for 5-7 s, at ~0.45 s a chunk. They then started decoding together and missed
+    their TPOT (the random sweep's seed 2 draw 7 and seed 0 draw 19 on the CPU
+    profile; BENCHMARKS.md, "Prompts in deadline order where no request decodes")."""
+    edf = prefill_order(prefilling, False)
+    pace_ms = forward_ms(0, tokens, chunk_context(_chunks(edf, tokens), edf))
+    if _ttft_need(edf, pace_ms * DEADLINE_ORDER_MARGIN, now_ms) <= tokens:
+        return edf
+    return slo_order
 
 
 def slo_tree_budget(

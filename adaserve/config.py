@@ -163,7 +163,8 @@ class SchedulerSettings(BaseModel):
     # SLO waits on them), and the prompts without one only in the
     # decoding requests' TPOT slack: no SLO waits on their first token, so they may not
     # put a decoding request behind its SLO, nor, once their default deadline comes,
-    # go ahead of a prompt whose TTFT SLO still can be met (adaserve/batching.py).
+    # go ahead of a prompt whose TTFT SLO still can be met (adaserve/batching.py). Where
+    # no request decodes, prompts go by deadline while the TTFT SLOs still hold.
     # False: every prompt by its deadline, in the whole prefill stretch.
     slo_prefill: bool = True
     # With a scheduler service (services.scheduler): `auto` sends a Select to it only

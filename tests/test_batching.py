@@ -410,6 +410,24 @@ def test_prompts_with_a_ttft_slo_go_first_and_keep_the_whole_stretch() -> None:
     assert form_batch([behind], [old, ttft], LIMITS_2X, linear).chunks[0][0] == "p0"
 
 
+def test_with_no_decoder_prompts_go_by_deadline_while_the_ttft_slos_hold() -> None:
+    """`slo_prefill` in an iteration no request decodes in: no decoder's slack is at
+    stake, so a short prompt without a TTFT SLO goes ahead of a long one with a distant
+    deadline (deadline order, as continuous batching serves them), but not where that
+    would cost the TTFT SLO its deadline at half this iteration's pace."""
+    linear = Curve((1.0, 1000.0), (10.0, 1009.0))  # ~1 ms a prompt token
+    limits = BatchLimits(64, 512, 1, slo_prefill=True)
+    short = pre(0, 300, deadline=10_000.0, binding=False)
+    distant = pre(1, 6000, deadline=1e6)  # ~1,000 chunks' time away, 12 chunks of work
+    plan = form_batch([], [distant, short], limits, linear)
+    assert plan.chunks == (("p0", 300), ("p1", 212))
+    # Due in ~5 chunks' time at half the pace: 6,300 tokens over 5 > 512 a chunk.
+    close = pre(1, 6000, deadline=6_000.0)
+    assert form_batch([], [close, short], limits, linear).chunks == (("p1", 512),)
+    # With a decoder, the prompt with the TTFT SLO still goes first (its stretch).
+    assert form_batch([dec(0, slo=1000.0)], [distant, short], limits, linear).chunks[0][0] == "p1"
+
+
 def test_a_preempted_requests_recompute_is_waited_on_like_a_ttft_slo() -> None:
     """A preempted request has no TTFT deadline left, but its TPOT SLO (counted from a
     first token it already has) waits on its recompute: under `slo_prefill` it goes

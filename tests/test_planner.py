@@ -3,6 +3,8 @@ budget leaves no token past the roots."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from adaserve import metrics
@@ -82,3 +84,36 @@ def test_plans_without_room_keep_the_output_under_chunks_preemption_and_prefix_r
     # Plain iterations of two or more decoders, and drafted ones of one.
     assert any(len(r.sources) >= 2 and set(r.sources.values()) == {"none"} for r in reports)
     assert any("model" in r.sources.values() for r in reports)
+
+
+def test_with_no_decoder_a_short_prompt_goes_ahead_of_a_distant_ttft_deadline(
+    target_dir,
+) -> None:
+    # Policy adaserve with `slo_prefill`, 16-token chunks: a 160-token prompt whose TTFT
+    # SLO is 1,000 s away, then a 6-token one without a TTFT SLO. No request decodes yet,
+    # so the prompts go in deadline order (the short one's default 10 s first): its
+    # first token comes while the long prompt is still being prefilled. The tokens are
+    # Hugging Face's greedy ones either way.
+    engine = make_engine(
+        target_dir,
+        drafter_dir=target_dir,
+        engine={"max_batch_tokens": 16, "min_prefill_tokens": 16},
+    )
+    long, short = list(range(3, 163)), [5, 9, 2, 7, 1, 4]
+    streams = [
+        engine.submit(replace(req(0, long, 6, 1e5), ttft_slo_ms=1e6)),
+        engine.submit(req(1, short, 6, 1e5)),
+    ]
+    firsts: list[str] = []
+
+    def note_firsts(step: int) -> None:
+        firsts.extend(
+            r.req.id
+            for r in engine.pool.running.values()
+            if r.num_generated and r.req.id not in firsts
+        )
+
+    out = run_to_completion(engine, streams, on_step=note_firsts)
+    assert firsts[0] == "r1"
+    assert out["tokens"]["r0"] == hf_greedy(target_dir, long, 6)
+    assert out["tokens"]["r1"] == hf_greedy(target_dir, short, 6)
