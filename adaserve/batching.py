@@ -252,8 +252,11 @@ def _prefill_only_order(
     its deadline, a 6.5k-token prompt due in 26 s held the short prompts behind it
     for 5-7 s, at ~0.45 s a chunk. They then started decoding together and missed
     their TPOT (the random sweep's seed 2 draw 7 and seed 0 draw 19 on the CPU
-    profile; BENCHMARKS.md, "Prompts in deadline order where no request decodes")."""
-    edf = prefill_order(prefilling, False)
+    profile; BENCHMARKS.md, "Prompts in deadline order where no request decodes").
+    Preempted requests' recomputes stay ahead of the rest: their TPOT SLO waits on
+    them, and the check counts no deadline of theirs."""
+    by_deadline = prefill_order(prefilling, False)
+    edf = [p for p in by_deadline if p.resumed] + [p for p in by_deadline if not p.resumed]
     pace_ms = forward_ms(0, tokens, chunk_context(_chunks(edf, tokens), edf))
     if _ttft_need(edf, pace_ms * DEADLINE_ORDER_MARGIN, now_ms) <= tokens:
         return edf

@@ -426,6 +426,11 @@ def test_with_no_decoder_prompts_go_by_deadline_while_the_ttft_slos_hold() -> No
     assert form_batch([], [close, short], limits, linear).chunks == (("p1", 512),)
     # With a decoder, the prompt with the TTFT SLO still goes first (its stretch).
     assert form_batch([dec(0, slo=1000.0)], [distant, short], limits, linear).chunks[0][0] == "p1"
+    # A preempted request's recompute (its TPOT SLO waits on it) goes ahead of both,
+    # even with a later deadline than the short prompt's default one.
+    resumed = pre(2, 100, deadline=20_000.0, binding=False, resumed=True)
+    plan = form_batch([], [distant, short, resumed], limits, linear)
+    assert plan.chunks == (("p2", 100), ("p0", 300), ("p1", 112))
 
 
 def test_a_preempted_requests_recompute_is_waited_on_like_a_ttft_slo() -> None:
