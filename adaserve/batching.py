@@ -255,8 +255,10 @@ def _prefill_only_order(
     profile; BENCHMARKS.md, "Prompts in deadline order where no request decodes").
     Preempted requests' recomputes stay ahead of the rest: their TPOT SLO waits on
     them, and the check counts no deadline of theirs."""
-    by_deadline = prefill_order(prefilling, False)
-    edf = [p for p in by_deadline if p.resumed] + [p for p in by_deadline if not p.resumed]
+    binding = [p.binding for p in prefilling]
+    if all(binding) or not any(binding):
+        return slo_order  # the same order either way: nothing to check
+    edf = sorted(prefill_order(prefilling, False), key=lambda p: not p.resumed)  # (stable)
     pace_ms = forward_ms(0, tokens, chunk_context(_chunks(edf, tokens), edf))
     if _ttft_need(edf, pace_ms * DEADLINE_ORDER_MARGIN, now_ms) <= tokens:
         return edf
