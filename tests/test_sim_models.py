@@ -443,3 +443,25 @@ def test_a_mixed_forward_is_charged_once_for_trees_and_chunks():
     assert res.first_tokens == [None] and len(res.verified) == 1
     assert (clock.now - before) * 1000 == pytest.approx(mixed.forward_ms(2, 40, 100))
     assert t.stats.mixed_iterations == 1
+
+
+def test_a_chunk_below_the_mixed_tables_first_column_costs_a_share_of_it():
+    """A mixed forward whose chunk is smaller than the table's first measured column is
+    read off the line from the plain verify of its trees to that column (measured on the
+    served CPU pair, BENCHMARKS.md), not clamped to the column: an 8-token chunk costs
+    half the first 16-token column's rise, and a 1-token chunk next to nothing."""
+    prof = load_profile(LLAMA)
+    mixed = prof.model_copy(
+        update={"mixed": MixedTable(tree=[1, 16], prefill=[16, 512], ms=[[30, 80], [35, 90]])}
+    )
+    plain = mixed.verify(16, 0)
+    ctx = mixed.verify(16, 1000) - plain
+    over = mixed.iteration_overhead_ms
+    assert mixed.forward_ms(16, 8, 1000) == pytest.approx(plain + (35 - plain) / 2 + ctx + over)
+    assert mixed.forward_ms(16, 16, 1000) == pytest.approx(35 + ctx + over)
+    # continuous with the verify of the trees alone as the chunk shrinks to nothing
+    assert mixed.forward_ms(16, 1, 1000) - mixed.verify_ms(16, 1000) == pytest.approx(
+        (35 - plain) / 16
+    )
+    costs = [mixed.forward_ms(16, p, 1000) for p in range(1, 17)]
+    assert all(b > a for a, b in itertools.pairwise(costs))

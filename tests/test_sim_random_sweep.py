@@ -208,6 +208,39 @@ def test_sweep_is_deterministic_and_writes_table_and_plot(
     assert set(calls) >= {"spec-2", "cb-priority"}
 
 
+def test_the_reuse_digest_changes_with_how_the_tables_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A profile's digest covers what the cost model charges, not only its tables: the
+    same tables priced another way (here, small chunks charged as the mixed table's
+    first column, the reading before 2026-12-01) make reused results stale."""
+    from adaserve.sim.costmodel import HardwareProfile
+
+    name = "smollm2-135m-cpu"
+    rs.profile_digest.cache_clear()
+    before = rs.profile_digest(name)
+    read = HardwareProfile.mixed_table_ms
+
+    def clamped(self: HardwareProfile, tree: int, prefill: int, context: int) -> float:
+        first = int(self.mixed.prefill[0]) if self.mixed is not None else 0
+        return read(self, tree, max(prefill, first), context)
+
+    monkeypatch.setattr(HardwareProfile, "mixed_table_ms", clamped)
+    rs.profile_digest.cache_clear()
+    try:
+        assert rs.profile_digest(name) != before
+        # a profile without a mixed table never reads it: its digest stands
+        gpu = "llama-3.1-8b-h100"
+        monkeypatch.undo()
+        rs.profile_digest.cache_clear()
+        plain = rs.profile_digest(gpu)
+        monkeypatch.setattr(HardwareProfile, "mixed_table_ms", clamped)
+        rs.profile_digest.cache_clear()
+        assert rs.profile_digest(gpu) == plain
+    finally:
+        rs.profile_digest.cache_clear()
+
+
 def test_cli_runs_a_tiny_real_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """End to end through the simulator: one short workload, three policies."""
     monkeypatch.setattr(rs, "MIN_REQUESTS", 10)

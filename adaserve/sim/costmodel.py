@@ -21,7 +21,9 @@ writes the same format for the machine at hand):
 
 Between points latency is linear; beyond the last point it continues the last segment
 (a forward twice as large costs about twice as much; a falling last segment, noise in a
-measured table, is held flat), below the first it is clamped. A drafter forward larger
+measured table, is held flat), below the first it is clamped; except that a mixed
+forward's chunk smaller than the `mixed` table's first column is read off the line from
+the plain verify of its trees (no chunk) to that column. A drafter forward larger
 than `draft_step`'s last point (a prompt chunk it ingests) continues along
 `draft_prefill`'s slope where the profile has it: the draft-step table is measured at
 tree sizes (CUDA-graphed on a GPU), and its last segment says little about a forward of
@@ -227,7 +229,16 @@ class HardwareProfile(BaseModel):
         overhead): what the engine's latency model starts from in the simulator."""
         if self.mixed is not None:
             ctx = self.verify(tree_tokens, context_tokens) - self.verify(tree_tokens, 0)
-            return self.mixed(tree_tokens, prefill_tokens) + max(0.0, ctx)
+            first = self.mixed.prefill[0]
+            table = self.mixed(tree_tokens, prefill_tokens)
+            if prefill_tokens < first:
+                # Below the first measured chunk the forward shrinks toward the plain
+                # verify of its trees, linearly (measured on the served CPU pair: 4 tree
+                # tokens beside 1/4/8/12 prompt tokens cost within 7% of this line, where
+                # clamping charged an 8-token chunk as a 16-token one, +44%).
+                plain = self.verify(tree_tokens, 0)
+                table = plain + (table - plain) * prefill_tokens / first
+            return table + max(0.0, ctx)
         n = tree_tokens + prefill_tokens
         top = self.verify.tokens[-1]
         if n <= top:

@@ -66,11 +66,14 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from adaserve.sim.workload import Workload
+
+if TYPE_CHECKING:
+    from adaserve.sim.costmodel import HardwareProfile
 
 PROFILES = (
     "llama-3.1-70b-tp4-a100",
@@ -395,13 +398,30 @@ def run_workload(
 
 @functools.cache
 def profile_digest(name: str) -> str:
-    """A digest of a shipped profile's tables (not its name or description): a reused
-    result measured on other tables runs again whole (`run_random_sweep`). Once per
-    profile and process: the files do not change under a sweep."""
+    """A digest of a shipped profile's tables (not its name or description) and of what
+    the simulator charges from them at a grid of forwards (`charges`): a reused result
+    measured on other tables, or priced by another reading of them, runs again whole
+    (`run_random_sweep`). Once per profile and process: neither changes under a sweep."""
     from adaserve.sim.costmodel import load_profile
 
-    tables = load_profile(name).model_dump(mode="json", exclude={"name", "description"})
-    return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()[:16]
+    profile = load_profile(name)
+    tables = profile.model_dump(mode="json", exclude={"name", "description"})
+    blob = json.dumps({"tables": tables, "charges": charges(profile)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def charges(profile: HardwareProfile) -> list[float]:
+    """What the cost model charges for a grid of forwards (target: trees beside chunks
+    over some context; drafter: steps and chunk ingestion), rounded to a nanosecond."""
+    target = [
+        profile.forward_ms(t, p, c)
+        for t in (0, 1, 4, 16, 64, 256)
+        for p in (0, 1, 8, 16, 64, 512)
+        for c in (0, 4096)
+        if t or p
+    ]
+    drafter = [profile.draft_forward_ms(n) for n in (1, 8, 64, 512, 2048)]
+    return [round(x, 6) for x in target + drafter]
 
 
 def violations_ratio(theirs: dict[str, Any], ours: dict[str, Any]) -> float:
