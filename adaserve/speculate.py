@@ -67,7 +67,7 @@ class BeamDrafter:
             else torch.as_tensor(draft_to_target, dtype=torch.int64).to(runner.device)
         )
         self._pending: dict[str, np.ndarray] = {}  # int32: known, not yet in the draft KV
-        self._last_rows = _last_rows_kwarg(runner)
+        self._last_rows = last_rows_kwarg(runner)
 
     # -- protocol --------------------------------------------------------------------
 
@@ -335,7 +335,7 @@ def _beam_tree(root: int, ids: torch.Tensor, par: torch.Tensor, cond: torch.Tens
     )
 
 
-def _last_rows_kwarg(runner) -> str | None:
+def last_rows_kwarg(runner) -> str | None:
     """How this runner restricts logits to chosen rows: `last_only=True`, the
     contract's `logits_indices`, or not at all (then rows are picked afterwards)."""
     try:

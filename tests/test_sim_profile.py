@@ -56,6 +56,14 @@ def test_profile_and_trace_from_real_runners(tiny_llama_dir: Path, tmp_path: Pat
     assert all(m > 0 for row in p.verify.ms for m in row)
     assert p.prefill_ms(100) > 0 and p.draft_ms(4) > 0 and p.baseline_ms() > 0
     assert p.budget in (1, 4, 8)
+    # the drafter's chunk forward is measured past the draft-step table's last point,
+    # and a chunk there is priced along it
+    assert p.draft_prefill is not None and all(m > 0 for m in p.draft_prefill.ms)
+    last = p.draft_step.tokens[-1]
+    assert p.draft_prefill.tokens[-1] > last
+    far = p.draft_prefill.tokens[-1]
+    rise = max(p.draft_prefill(far) - p.draft_prefill(last), 0.0)
+    assert p.draft_forward_ms(int(far)) == pytest.approx(p.draft_step(last) + rise)
     records = load_trace(trace)
     assert records and all(0 < q <= 1 for r in records for q in r.probs)
     assert any(r.full for r in records)

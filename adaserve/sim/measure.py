@@ -7,6 +7,8 @@ the baseline TPOT are adaserve/timing.py's):
   committed context sums to C (scratch dropped after each forward);
 - draft step: one drafter forward of n*w single-token frontier nodes, all logits;
 - prefill: one target forward of a P-token prompt, last row's logits only;
+- draft prefill: one drafter forward of a P-token prompt chunk as the drafter ingests
+  it beside the target's prefill (no logits, where the runner can skip them);
 - mixed: one target forward carrying T tree tokens (over 512 tokens of context, all
   logits) beside a P-token prompt chunk (last row's logits), as the engine's unified
   iteration runs them.
@@ -95,6 +97,35 @@ def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
     return Curve(tokens=[float(p) for p in points], ms=ms)
 
 
+def measure_draft_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
+    """The drafter's forward over a prompt chunk, as `BeamDrafter` ingests one: the
+    draft-step table holds forwards of single-token frontier nodes with all their
+    logits, and past its last point the simulator prices a chunk along this curve."""
+    from adaserve.model.runner import SeqInput
+    from adaserve.speculate import last_rows_kwarg
+
+    skip = last_rows_kwarg(runner) == "logits_indices"
+    points = [p for p in grid.prefill_tokens if p < runner.max_model_len] or [1]
+    ms = []
+    for p in points:
+
+        def once(p: int = p) -> None:
+            runner.add_sequence("draft-prefill")
+            toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
+            chunk = [SeqInput.chain("draft-prefill", toks, prefill=True)]
+            if skip:
+                runner.forward(chunk, logits_indices=[])
+            else:
+                runner.forward(chunk)
+            sync(runner)
+            runner.free("draft-prefill")
+
+        m = median_ms(once, grid.reps)
+        ms.append(m)
+        log(f"draft prefill tokens={p:<5} {m:8.2f} ms")
+    return Curve(tokens=[float(p) for p in points], ms=ms)
+
+
 def measure_mixed(runner, grid: ProfileGrid, rng, log=print) -> MixedTable:
     from adaserve.model.runner import SeqInput
 
@@ -159,6 +190,7 @@ def measure_profile(
         if drafter is not None
         else Curve(tokens=[1.0], ms=[0.0])
     )
+    draft_prefill = measure_draft_prefill(drafter, grid, rng, log) if drafter is not None else None
     prefill = measure_prefill(target, grid, rng, log)
     mixed = measure_mixed(target, grid, rng, log)
     cache = getattr(target, "cache", None)
@@ -173,6 +205,7 @@ def measure_profile(
         verify=verify,
         draft_step=draft,
         prefill=prefill,
+        draft_prefill=draft_prefill,
         mixed=mixed,
         kv_capacity_tokens=capacity or 500_000,
         max_model_len=int(target.max_model_len),
