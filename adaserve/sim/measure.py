@@ -78,29 +78,20 @@ def measure_draft(runner, grid: ProfileGrid, rng, log=print) -> Curve:
 
 
 def measure_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
-    from adaserve.model.runner import SeqInput
-
-    points = [p for p in grid.prefill_tokens if p < runner.max_model_len] or [1]
-    ms = []
-    for p in points:
-
-        def once(p: int = p) -> None:
-            runner.add_sequence("prefill")
-            toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
-            runner.forward([SeqInput.chain("prefill", toks, prefill=True)], logits_indices=[p - 1])
-            sync(runner)
-            runner.free("prefill")
-
-        m = median_ms(once, grid.reps)
-        ms.append(m)
-        log(f"prefill tokens={p:<5} {m:8.2f} ms")
-    return Curve(tokens=[float(p) for p in points], ms=ms)
+    return _chunk_curve(runner, grid, rng, log, "prefill", last_only=True)
 
 
 def measure_draft_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
     """The drafter's forward over a prompt chunk, as `BeamDrafter` ingests one: the
     draft-step table holds forwards of single-token frontier nodes with all their
     logits, and past its last point the simulator prices a chunk along this curve."""
+    return _chunk_curve(runner, grid, rng, log, "draft prefill", last_only=False)
+
+
+def _chunk_curve(runner, grid: ProfileGrid, rng, log, label: str, last_only: bool) -> Curve:
+    """One forward of a fresh P-token prompt per grid point: with the last row's logits
+    (the target's prefill), or none where the runner can skip them (the drafter's
+    ingestion; all rows where it cannot)."""
     from adaserve.model.runner import SeqInput
     from adaserve.speculate import last_rows_kwarg
 
@@ -110,19 +101,21 @@ def measure_draft_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
     for p in points:
 
         def once(p: int = p) -> None:
-            runner.add_sequence("draft-prefill")
+            runner.add_sequence("chunk")
             toks = rng.integers(0, runner.vocab_size, size=p, dtype=np.int32)
-            chunk = [SeqInput.chain("draft-prefill", toks, prefill=True)]
-            if skip:
+            chunk = [SeqInput.chain("chunk", toks, prefill=True)]
+            if last_only:
+                runner.forward(chunk, logits_indices=[p - 1])
+            elif skip:
                 runner.forward(chunk, logits_indices=[])
             else:
                 runner.forward(chunk)
             sync(runner)
-            runner.free("draft-prefill")
+            runner.free("chunk")
 
         m = median_ms(once, grid.reps)
         ms.append(m)
-        log(f"draft prefill tokens={p:<5} {m:8.2f} ms")
+        log(f"{label} tokens={p:<5} {m:8.2f} ms")
     return Curve(tokens=[float(p) for p in points], ms=ms)
 
 
