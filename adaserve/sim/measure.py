@@ -90,12 +90,12 @@ def measure_draft_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
 
 def _chunk_curve(runner, grid: ProfileGrid, rng, log, label: str, last_only: bool) -> Curve:
     """One forward of a fresh P-token prompt per grid point: with the last row's logits
-    (the target's prefill), or none where the runner can skip them (the drafter's
-    ingestion; all rows where it cannot)."""
+    (the target's prefill), or as `BeamDrafter` ingests a chunk (the drafter's: no
+    logits where the runner can skip them, else the last row's, else all)."""
     from adaserve.model.runner import SeqInput
     from adaserve.speculate import last_rows_kwarg
 
-    skip = last_rows_kwarg(runner) == "logits_indices"
+    rows = last_rows_kwarg(runner)
     points = [p for p in grid.prefill_tokens if p < runner.max_model_len] or [1]
     ms = []
     for p in points:
@@ -106,8 +106,10 @@ def _chunk_curve(runner, grid: ProfileGrid, rng, log, label: str, last_only: boo
             chunk = [SeqInput.chain("chunk", toks, prefill=True)]
             if last_only:
                 runner.forward(chunk, logits_indices=[p - 1])
-            elif skip:
+            elif rows == "logits_indices":
                 runner.forward(chunk, logits_indices=[])
+            elif rows == "last_only":
+                runner.forward(chunk, last_only=True)
             else:
                 runner.forward(chunk)
             sync(runner)
