@@ -19,6 +19,12 @@ requests, at the depth that makes them fastest while the iteration it stretches 
 every other request within `slack_margin` of its own SLO: their slack pays for the tight
 requests' speed, which is the product (a batch of equal SLOs gets no such plan).
 
+Where the tree budget cannot give every decoding request even one drafted token (more
+decoding requests than B minus their number), the cap counts only the drafted tokens the
+budget lets the verifier carry (`decoding`; policy adaserve): a draft step for the whole
+batch buys at most B - n verified tokens there, and plain decoding (depth 0) is a
+candidate whatever d_min, as it is where B leaves no token past the roots.
+
 The cap counts the prompt tokens expected to ride along in the iteration as a fixed
 cost (`prefill_tokens`; the engine passes them under policy adaserve where no TTFT SLO
 waits on the prefill, `planner.riding_prefill`): the decoders wait for the chunk at any
@@ -57,11 +63,17 @@ ALPHA_MIN, ALPHA_MAX = 0.05, 0.95
 
 
 def plan_depth_width(
-    n: int, budget: int, settings: AdaptiveSettings, prefill_tokens: int = 0
+    n: int,
+    budget: int,
+    settings: AdaptiveSettings,
+    prefill_tokens: int = 0,
+    decoding: int | None = None,
 ) -> tuple[int, int]:
     """(depth, width) for n active requests and a verifier budget B: width >= 1, depth
-    >= d_min (depth 0, only with d_min = 0, is plain decoding for this iteration).
-    `prefill_tokens`: prompt tokens expected to ride along in the iteration (cost_depth)."""
+    >= d_min (depth 0, with d_min = 0 or where the budget binds, is plain decoding for
+    this iteration). `prefill_tokens`: prompt tokens expected to ride along in the
+    iteration; `decoding`: the requests whose roots this iteration verifies, where the
+    budget's room for drafted tokens should count (both cost_depth's)."""
     if n < 0:
         raise ValueError(f"n: number of active requests must be >= 0, got {n}")
     if budget < 1:
@@ -73,14 +85,14 @@ def plan_depth_width(
     if s.policy == "v1":
         depth = max(1, min(s.d_max, -(-budget // n)))
         width = max(1, min(s.w_max, budget // n))
-        return _capped(depth, cost_depth(n, budget, s, prefill_tokens), s), width
+        return _capped(depth, cost_depth(n, budget, s, prefill_tokens, decoding), s), width
     b1 = s.b1 if s.b1 is not None else budget
     b2 = s.b2 if s.b2 is not None else budget
     # n + c1 <= 0 would divide by zero or flip the sign: treat it as the deepest plan.
     depth = b1 // (n + s.c1) - 1 if n + s.c1 > 0 else s.d_max
     depth = _clip(depth, s.d_min, max(s.d_min, s.d_max))
     width = _clip(b2 // n + s.c2, 1, s.w_max)
-    return _capped(depth, cost_depth(n, budget, s, prefill_tokens), s), width
+    return _capped(depth, cost_depth(n, budget, s, prefill_tokens, decoding), s), width
 
 
 def _capped(depth: int, cap: int, s: AdaptiveSettings) -> int:
@@ -95,7 +107,13 @@ def _capped(depth: int, cap: int, s: AdaptiveSettings) -> int:
     return min(depth, cap)
 
 
-def cost_depth(n: int, budget: int, s: AdaptiveSettings, prefill_tokens: int = 0) -> int:
+def cost_depth(
+    n: int,
+    budget: int,
+    s: AdaptiveSettings,
+    prefill_tokens: int = 0,
+    decoding: int | None = None,
+) -> int:
     """The chain depth d that maximizes expected accepted tokens per unit of iteration
     time, n * sum(alpha^j, j = 0..d) / (B + P + n * (d + 1) + d * (c + c_n * n)), with
     the budget's own cost model (B is the knee: a forward of N tree tokens costs about
@@ -104,13 +122,38 @@ def cost_depth(n: int, budget: int, s: AdaptiveSettings, prefill_tokens: int = 0
     P = `prefill_tokens`, the prompt tokens riding along in the iteration: a fixed cost
     the decoders wait for whatever their depth, so the deeper chain it makes worth
     drafting is what keeps their TPOT where prefill runs beside them. At least d_min;
-    with d_min = 0, plain decoding (d = 0) is a candidate too."""
+    with d_min = 0, plain decoding (d = 0) is a candidate too. `decoding`: where more
+    requests decode than the budget has room for one drafted token each beside their
+    roots, `budget_bound_depth` decides instead."""
     if s.draft_cost_tokens is None:
         return max(s.d_min, s.d_max)  # no cap (d_min wins where it exceeds d_max)
+    if decoding is not None and decoding > budget - decoding:
+        return budget_bound_depth(decoding, budget, s, prefill_tokens)
     d = np.arange(min(s.d_min, 1), max(s.d_min, s.d_max) + 1)
     cost = _iteration_cost(budget, n, n, d, s, s.draft_cost_tokens) + max(prefill_tokens, 0)
     rate = n * _chain_tokens(d, s) / cost
     return max(s.d_min, int(d[np.argmax(rate)]))
+
+
+def budget_bound_depth(n: int, budget: int, s: AdaptiveSettings, prefill_tokens: int = 0) -> int:
+    """cost_depth's choice for n decoding requests whose trees the budget B truncates:
+    drafted d deep, they give the verifier n d tokens, of which selection keeps m =
+    min(n d, B - n), best first, i.e. level by level (each level-j token is accepted
+    with probability alpha^j). Expected tokens per verification n + sum of the kept
+    tokens' alpha^j, over the iteration's cost B + n + m + d (c + c_n n) + P. Depth 0,
+    plain decoding, is a candidate whatever d_min: a draft step that buys fewer
+    verified tokens than its own cost is what the batch would pay for nothing."""
+    if s.draft_cost_tokens is None:
+        raise ValueError("budget_bound_depth needs the cost model (draft_cost_tokens)")
+    n = max(n, 1)
+    d = np.arange(0, max(s.d_min, s.d_max) + 1)
+    kept = np.minimum(n * d, max(budget - n, 0))
+    levels, rest = np.divmod(kept, n)
+    a = s.acceptance
+    accepted = n * a * (1.0 - a**levels) / (1.0 - a) + rest * a ** (levels + 1)
+    per_step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * n
+    cost = budget + n + kept + d * per_step + max(prefill_tokens, 0)
+    return int(d[np.argmax((n + accepted) / cost)])
 
 
 def ngram_pays(

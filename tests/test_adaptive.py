@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaserve.adaptive import TIGHT_LEVEL, AcceptanceEstimate, plan_depth_width, slack_plan
+from adaserve.adaptive import (
+    TIGHT_LEVEL,
+    AcceptanceEstimate,
+    budget_bound_depth,
+    plan_depth_width,
+    slack_plan,
+)
 from adaserve.config import AdaptiveSettings, SchedulerSettings
 from adaserve.scheduler import LocalScheduler, Scheduler, selection_params
 from adaserve.selection import SelectionParams, select
@@ -176,6 +182,62 @@ def test_d_min_zero_switches_speculation_off_where_it_does_not_pay():
     assert plan_depth_width(8, 16, flat)[0] == 1
     # d_min 1 (the default) never switches off.
     assert plan_depth_width(8, 16, s.model_copy(update={"d_min": 1}))[0] == 1
+
+
+def _kept_tokens_rate(n: int, d: int, budget: int, s: AdaptiveSettings) -> float:
+    """Tokens per unit of iteration time, counted token by token: every request's
+    level-j draft token is accepted with probability alpha^j, selection keeps the
+    budget's B - n most likely, and each kept token costs one unit."""
+    assert s.draft_cost_tokens is not None
+    drafted = sorted((s.acceptance**j for _ in range(n) for j in range(1, d + 1)), reverse=True)
+    kept = drafted[: max(budget - n, 0)]
+    step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * n
+    return (n + sum(kept)) / (budget + n + len(kept) + d * step)
+
+
+@pytest.mark.parametrize("per_request", [0.0, 0.5])
+@pytest.mark.parametrize("acceptance", [0.45, 0.75, 0.9])
+def test_where_the_budget_truncates_the_trees_the_depth_counts_the_tokens_it_keeps(
+    per_request: float, acceptance: float
+) -> None:
+    """The CPU profile's knee budget of 4 in the simulator (a draft step of 1.84 tokens):
+    three decoding requests drafted one step deep give the verifier three tokens, of
+    which the budget keeps one. The depth is the one with the most tokens per unit of
+    time counted token by token, depth 0 (plain decoding) included whatever d_min."""
+    s = AdaptiveSettings(
+        d_min=1,
+        d_max=6,
+        w_max=2,
+        draft_cost_tokens=1.84,
+        draft_cost_tokens_per_request=per_request,
+        acceptance=acceptance,
+    )
+    for budget in (4, 8, 16):
+        for n in range(budget // 2 + 1, budget + 3):
+            best = max(range(7), key=lambda d, n=n: _kept_tokens_rate(n, d, budget, s))
+            assert budget_bound_depth(n, budget, s) == best
+            assert plan_depth_width(n, budget, s, decoding=n)[0] == min(
+                best,
+                plan_depth_width(n, budget, s.model_copy(update={"draft_cost_tokens": None}))[0],
+            )
+    if acceptance == 0.75 and per_request == 0.0:
+        assert plan_depth_width(3, 4, s, decoding=3)[0] == 0  # one kept token does not pay
+        assert plan_depth_width(3, 4, s)[0] == 1  # (without the count: d_min)
+
+
+def test_the_budgets_room_counts_only_where_it_truncates_the_trees() -> None:
+    s = AdaptiveSettings(d_min=1, d_max=6, w_max=2, draft_cost_tokens=1.84, acceptance=0.75)
+    # Up to B / 2 decoding requests, each can have a drafted token: the plan is as before,
+    # for the n the planner counts (requests being prefilled included).
+    for n, decoding in ((1, 1), (2, 2), (5, 2), (3, 1), (40, 64)):
+        assert plan_depth_width(n, 4 if n < 40 else 128, s, decoding=decoding) == (
+            plan_depth_width(n, 4 if n < 40 else 128, s)
+        )
+    # Without a cost model there is nothing to count against.
+    free = s.model_copy(update={"draft_cost_tokens": None})
+    assert plan_depth_width(3, 4, free, decoding=3) == plan_depth_width(3, 4, free)
+    with pytest.raises(ValueError, match="cost model"):
+        budget_bound_depth(3, 4, free)
 
 
 def test_eurosys_with_d_min_zero_stops_drafting_past_half_the_budget():

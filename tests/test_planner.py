@@ -1,5 +1,5 @@
 """The iteration's plan (adaserve/engine/planner.py): no draft step where the tree
-budget leaves no token past the roots."""
+budget leaves no token past the roots, or too few to pay for it."""
 
 from __future__ import annotations
 
@@ -40,6 +40,40 @@ def test_no_draft_step_where_no_drafted_token_could_be_verified(
         assert (plan.drafted, plan.depth) == ([], 0)
     else:
         assert (plan.batch.tree_budget > 3) is (budget > 3)
+        assert len(plan.drafted) == 3 and plan.depth >= 1
+    out = run_to_completion(engine, streams)
+    for i, p in enumerate(prompts):
+        assert out["tokens"][f"r{i}"] == hf_greedy(target_dir, p, 12)
+
+
+@pytest.mark.parametrize("policy", ["adaserve", "global"])
+def test_a_draft_step_the_budgets_room_cannot_pay_for_is_not_planned(
+    target_dir, policy: str
+) -> None:
+    # A knee budget of 4 and three decoding requests with relaxed SLOs: the split leaves
+    # one token past the roots, so a draft step for all three buys one verified token at
+    # most, and the cost model (a step costs 1.84 tokens, as the simulator's CPU profile
+    # has it) prefers plain decoding, d_min 1 notwithstanding. A baseline drafts. The
+    # output is the target's greedy output either way.
+    engine = make_engine(
+        target_dir,
+        drafter_dir=target_dir,
+        scheduler={
+            "policy": policy,
+            "budget": 4,
+            "adaptive": {"d_min": 1, "draft_cost_tokens": 1.84, "acceptance": 0.75},
+        },
+    )
+    prompts = [list(PROMPTS[i]) for i in range(3)]
+    streams = [engine.submit(req(i, p, 12, 1e5)) for i, p in enumerate(prompts)]
+    engine.step()
+    while any(r.prefilling for r in engine.pool.running.values()) or engine.pool.waiting:
+        engine.step()
+    plan = form_step(engine)
+    assert len(plan.decoding) == 3 and plan.batch.tree_budget == 4
+    if policy == "adaserve":
+        assert (plan.drafted, plan.depth) == ([], 0)
+    else:
         assert len(plan.drafted) == 3 and plan.depth >= 1
     out = run_to_completion(engine, streams)
     for i, p in enumerate(prompts):

@@ -192,12 +192,15 @@ def plan_drafts(
     arriving = eng.pool.inbox.qsize()
     n = min(len(batch) + len(prefilling) + arriving, eng.settings.engine.max_running)
     riding = riding_prefill(eng, prefilling)
-    depth, width = plan_depth_width(n, budget, adaptive, riding)
+    # Policy adaserve: where the budget cannot give each decoding request a drafted
+    # token, the depth counts the tokens it can (adaptive.budget_bound_depth).
+    roots = len(batch) if eng.settings.scheduler.policy == "adaserve" else None
+    depth, width = plan_depth_width(n, budget, adaptive, riding, roots)
     if depth > 0:
         # Policy adaserve: planned for the tree tokens the tightest SLO allows.
         slo_budget = tree_budget(eng, batch, depth, adaptive)
         if slo_budget > budget:
-            depth, width = plan_depth_width(n, slo_budget, adaptive, riding)
+            depth, width = plan_depth_width(n, slo_budget, adaptive, riding, roots)
         return [r for r in batch if draftable(eng, r)], depth, width
     # Drafting for the whole batch does not pay, but SLO comes before throughput.
     # Requests that plain decoding would leave behind their SLO still get trees, and
