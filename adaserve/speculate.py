@@ -175,7 +175,8 @@ class BeamDrafter:
         """Step 1: each active request's pending chain; logits of its last node."""
         from adaserve.model.runner import SeqInput
 
-        return self._forward_last([SeqInput.chain(u.id, chains[u.id]) for u in active])
+        inputs = [SeqInput.chain(u.id, chains[u.id]) for u in active]
+        return forward_last(self.runner, self._last_rows, inputs)
 
     def _frontier_step(self, inputs, alive: np.ndarray, width: int) -> torch.Tensor:
         """Steps 2..d: the frontier nodes of the requests still searching (`alive`,
@@ -220,21 +221,11 @@ class BeamDrafter:
         (where the runner can skip them)."""
         from adaserve.model.runner import SeqInput
 
-        inputs = [SeqInput.chain(u.id, chains[u.id], prefill=True) for u in updates]
-        if self._last_rows == "logits_indices":
-            self.runner.forward(inputs, logits_indices=[])
-        else:
-            self._forward_last(inputs)
-
-    def _forward_last(self, inputs) -> torch.Tensor:
-        """Logits of each input's last node only: step 1 needs nothing else, and the LM
-        head dominates a small drafter's cost."""
-        if self._last_rows == "last_only":
-            return self.runner.forward(inputs, last_only=True)
-        rows = np.cumsum([len(x.tokens) for x in inputs]) - 1
-        if self._last_rows == "logits_indices":
-            return self.runner.forward(inputs, logits_indices=rows.tolist())
-        return self.runner.forward(inputs)[torch.as_tensor(rows, device=self.runner.device)]
+        ingest(
+            self.runner,
+            self._last_rows,
+            [SeqInput.chain(u.id, chains[u.id], prefill=True) for u in updates],
+        )
 
     @torch.inference_mode()
     def _beam_search(
@@ -333,6 +324,28 @@ def _beam_tree(root: int, ids: torch.Tensor, par: torch.Tensor, cond: torch.Tens
     return CandidateTree.build(
         tokens, np.concatenate([[-1], parents.reshape(-1)]), logprobs, validate=False
     )
+
+
+def ingest(runner, rows: str | None, inputs) -> None:
+    """The drafter's forward over chunks it only reads into its KV (prompt chunks): no
+    logits where the runner can skip them, else the last rows' (`forward_last`).
+    `rows`: the runner's `last_rows_kwarg`. `adaserve profile` times the same call."""
+    if rows == "logits_indices":
+        runner.forward(inputs, logits_indices=[])
+    else:
+        forward_last(runner, rows, inputs)
+
+
+def forward_last(runner, rows: str | None, inputs) -> torch.Tensor:
+    """Logits of each input's last node only: a draft step's first forward needs nothing
+    else, and the LM head dominates a small drafter's cost. `rows`: the runner's
+    `last_rows_kwarg`."""
+    if rows == "last_only":
+        return runner.forward(inputs, last_only=True)
+    last = np.cumsum([len(x.tokens) for x in inputs]) - 1
+    if rows == "logits_indices":
+        return runner.forward(inputs, logits_indices=last.tolist())
+    return runner.forward(inputs)[torch.as_tensor(last, device=runner.device)]
 
 
 def last_rows_kwarg(runner) -> str | None:

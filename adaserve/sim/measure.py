@@ -90,10 +90,9 @@ def measure_draft_prefill(runner, grid: ProfileGrid, rng, log=print) -> Curve:
 
 def _chunk_curve(runner, grid: ProfileGrid, rng, log, label: str, last_only: bool) -> Curve:
     """One forward of a fresh P-token prompt per grid point: with the last row's logits
-    (the target's prefill), or as `BeamDrafter` ingests a chunk (the drafter's: no
-    logits where the runner can skip them, else the last row's, else all)."""
+    (the target's prefill), or as `BeamDrafter` ingests a chunk (`speculate.ingest`)."""
     from adaserve.model.runner import SeqInput
-    from adaserve.speculate import last_rows_kwarg
+    from adaserve.speculate import ingest, last_rows_kwarg
 
     rows = last_rows_kwarg(runner)
     points = [p for p in grid.prefill_tokens if p < runner.max_model_len] or [1]
@@ -106,12 +105,8 @@ def _chunk_curve(runner, grid: ProfileGrid, rng, log, label: str, last_only: boo
             chunk = [SeqInput.chain("chunk", toks, prefill=True)]
             if last_only:
                 runner.forward(chunk, logits_indices=[p - 1])
-            elif rows == "logits_indices":
-                runner.forward(chunk, logits_indices=[])
-            elif rows == "last_only":
-                runner.forward(chunk, last_only=True)
             else:
-                runner.forward(chunk)
+                ingest(runner, rows, chunk)
             sync(runner)
             runner.free("chunk")
 
