@@ -149,8 +149,8 @@ def budget_bound_depth(n: int, budget: int, s: AdaptiveSettings, prefill_tokens:
     d = np.arange(0, max(s.d_min, s.d_max) + 1)
     kept = np.minimum(n * d, max(budget - n, 0))
     levels, rest = np.divmod(kept, n)
-    a = s.acceptance
-    accepted = n * a * (1.0 - a**levels) / (1.0 - a) + rest * a ** (levels + 1)
+    # Full levels: each chain's expected tokens past its bonus one; then part of the next.
+    accepted = n * (_chain_tokens(levels, s) - 1.0) + rest * s.acceptance ** (levels + 1)
     per_step = s.draft_cost_tokens + s.draft_cost_tokens_per_request * n
     cost = budget + n + kept + d * per_step + max(prefill_tokens, 0)
     return int(d[np.argmax((n + accepted) / cost)])
